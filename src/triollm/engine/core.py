@@ -1,0 +1,297 @@
+"""The synchronous engine step: schedule, execute, process.
+
+``EngineCore`` owns the scheduler and the requests; it does not own a thread or an
+event loop. ``step()`` is the whole loop body; the async engine calls its three parts
+separately so that ``execute`` can run in the model thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from triollm.config import EngineConfig
+from triollm.engine.block_manager import BlockManager
+from triollm.engine.detokenizer import IncrementalDetokenizer
+from triollm.engine.inputs import process_prompt
+from triollm.engine.request import Request, RequestStatus
+from triollm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics
+from triollm.model.runner import ModelRunner, RunnerOutput, TokenLogprobs
+from triollm.outputs import CompletionOutput, Logprob, RequestOutput
+from triollm.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["EngineCore"]
+
+
+@dataclass
+class _ParentRequest:
+    """A user request: ``n`` sampled sequences that share one prompt and one output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    children: list[Request]
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(child.is_finished for child in self.children)
+
+
+class EngineCore:
+    """Adds requests, runs steps, and turns the runner's tokens into ``RequestOutput``."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Any) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(runner.num_kv_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.vocab_size = int(config.model.hf_config.vocab_size)
+        self.max_model_len = config.model.max_model_len
+        self.eos_token_ids = _eos_token_ids(config, tokenizer)
+        self._parents: dict[str, _ParentRequest] = {}
+        self._requests: dict[str, Request] = {}
+        self._parent_of: dict[str, _ParentRequest] = {}
+
+    # -- requests ------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate and queue a request. Raises ``ValueError`` (and changes nothing) for a
+        bad prompt, bad parameters or a duplicate id."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError("priority: a non-zero priority needs scheduling_policy='priority'")
+        processed = process_prompt(prompt, self.tokenizer, max_model_len=self.max_model_len,
+                                   vocab_size=self.vocab_size)
+        arrival = time.time() if arrival_time is None else arrival_time
+        params.all_stop_token_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.eos_token_ids
+        children = []
+        for index in range(params.n):
+            child_params = params if params.n == 1 else params.child(index)
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            child = Request(child_id, processed.token_ids, child_params, arrival,
+                            priority=priority, index=index)
+            if child_params.detokenize:
+                child.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    processed.token_ids,
+                    skip_special_tokens=child_params.skip_special_tokens,
+                    stop=list(child_params.stop or []),
+                    include_stop_str_in_output=child_params.include_stop_str_in_output,
+                )
+            children.append(child)
+        parent = _ParentRequest(request_id, processed.text, processed.token_ids,
+                                params.output_kind, children)
+        self._parents[request_id] = parent
+        for child in children:
+            self._requests[child.request_id] = child
+            self._parent_of[child.request_id] = parent
+            self.scheduler.add_request(child)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Abort user requests now; unknown or finished ids are ignored. Returns each
+        aborted request's final output (finish_reason ``"abort"``)."""
+        outputs = []
+        for request_id in request_ids:
+            parent = self._parents.get(request_id)
+            if parent is None:
+                continue
+            running = [c.request_id for c in parent.children if not c.is_finished]
+            self.scheduler.finish_requests(running, RequestStatus.FINISHED_ABORTED)
+            now = time.time()
+            for child in parent.children:
+                if child.request_id in running:
+                    child.metrics.finished_time = now
+            outputs.append(self._make_output(parent, force_full=True))
+            self._forget(parent)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # -- the step ------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        return self.process(scheduler_output, runner_output)
+
+    def schedule(self) -> SchedulerOutput:
+        output = self.scheduler.schedule()
+        now = time.time()
+        for item in output.scheduled:
+            metrics = self._requests[item.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        return output
+
+    def process(self, scheduler_output: SchedulerOutput,
+                runner_output: RunnerOutput) -> list[RequestOutput]:
+        """Apply a finished step: advance computed tokens, append the sampled tokens,
+        detect stops, free what finished and build the outputs."""
+        self.scheduler.update_computed_tokens(scheduler_output)
+        now = time.time()
+        touched: dict[str, _ParentRequest] = {}
+        finished: dict[RequestStatus, list[str]] = {}
+        for item in scheduler_output.scheduled:
+            request = self._requests.get(item.request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            prompt_lps = runner_output.prompt_logprobs.get(item.request_id)
+            if prompt_lps and request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(self._logprob_dict(lp) for lp in prompt_lps)
+            token = runner_output.sampled_token_ids.get(item.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            token_lp = runner_output.logprobs.get(item.request_id)
+            if token_lp is not None and request.logprobs is not None:
+                request.logprobs.append(self._logprob_dict(token_lp))
+                request.cumulative_logprob = (request.cumulative_logprob or 0.0) + token_lp.logprobs[0]
+            status = self._check_stop(request, token)
+            if status is not None:
+                request.status = status  # final; the scheduler frees it below
+                request.metrics.finished_time = now
+                finished.setdefault(status, []).append(request.request_id)
+            parent = self._parent_of[request.request_id]
+            touched[parent.request_id] = parent
+        for status, ids in finished.items():
+            self.scheduler.finish_requests(ids, status)
+
+        outputs = []
+        for parent in touched.values():
+            output = self._make_output(parent)
+            if output is not None:
+                outputs.append(output)
+            if parent.finished:
+                self._forget(parent)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.detokenizer is not None:
+            stop = request.detokenizer.append_token(
+                token, check_stop=request.num_output_tokens >= params.min_tokens)
+            if stop is not None:
+                request.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in (params.stop_token_ids or ()):
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    # -- outputs -------------------------------------------------------------------
+
+    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        result: dict[int, Logprob] = {}
+        for token_id, value, rank in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True):
+            if token_id not in result:
+                text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+                result[token_id] = Logprob(logprob=value, rank=rank, decoded_token=text)
+        return result
+
+    def _make_output(self, parent: _ParentRequest, *,
+                     force_full: bool = False) -> RequestOutput | None:
+        finished = parent.finished
+        kind = parent.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA and not force_full
+        completions = [self._completion(child, delta) for child in parent.children]
+        if delta:
+            completions = [c for c, child in zip(completions, parent.children, strict=True)
+                           if c.token_ids or c.text or child.is_finished]
+        first = parent.children[0]
+        prompt_logprobs = first.prompt_logprobs
+        if delta and parent.prompt_logprobs_sent:
+            prompt_logprobs = None
+        parent.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            metrics=first.metrics,
+        )
+
+    def _completion(self, request: Request, delta: bool) -> CompletionOutput:
+        finished = request.is_finished
+        text = request.detokenizer.text_to_deliver(finished) if request.detokenizer else ""
+        tokens = request.output_token_ids
+        logprobs = request.logprobs
+        if delta:
+            text_start, token_start = request.num_delivered_chars, request.num_delivered_tokens
+            request.num_delivered_chars = len(text)
+            request.num_delivered_tokens = len(tokens)
+            text = text[text_start:]
+            tokens = tokens[token_start:]
+            logprobs = logprobs[token_start:] if logprobs is not None else None
+        else:
+            logprobs = list(logprobs) if logprobs is not None else None
+        return CompletionOutput(
+            index=request.index,
+            text=text,
+            token_ids=tokens,
+            cumulative_logprob=request.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+
+    def _forget(self, parent: _ParentRequest) -> None:
+        self._parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self._requests.pop(child.request_id, None)
+            self._parent_of.pop(child.request_id, None)
+
+    # -- introspection -------------------------------------------------------------
+
+    def statistics(self) -> SchedulerStatistics:
+        return self.scheduler.statistics()
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+def _eos_token_ids(config: EngineConfig, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (config.model.hf_config, getattr(tokenizer, "eos_token_id", None)):
+        value = getattr(source, "eos_token_id", source) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

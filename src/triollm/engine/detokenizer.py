@@ -1,0 +1,96 @@
+"""Token ids to text, one token at a time, with stop strings.
+
+Incremental decoding keeps two offsets into the token list (vLLM's scheme): text is
+only emitted once the tokens since ``read_offset`` decode to something that does not
+end in an incomplete UTF-8 sequence, so a character split across tokens appears
+whole, once. Stop strings are searched in the newly grown tail of the text, so one
+that spans several tokens is still found.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+
+_INITIAL_CONTEXT = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...,
+               clean_up_tokenization_spaces: bool | None = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one sequence's output tokens and finds its stop strings."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._tokens = list(prompt_token_ids[-_INITIAL_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._tokens)
+        self.stop = stop or []
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.output_text = ""
+        #: Characters held back while streaming because they may begin a stop string.
+        self.stop_buffer_length = (
+            0 if include_stop_str_in_output or not self.stop else max(map(len, self.stop)) - 1
+        )
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self._skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def append_token(self, token_id: int, *, check_stop: bool = True) -> str | None:
+        """Add one token; return the stop string it completed, if any (the text is then
+        cut at the stop string, after it if ``include_stop_str_in_output``)."""
+        self._tokens.append(token_id)
+        prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self._tokens[self._prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            return None
+        new_text = full_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        # Keep the decode window short: the text decoded so far is already settled.
+        if self._prefix_offset > 64:
+            del self._tokens[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        previous_length = len(self.output_text)
+        self.output_text += new_text
+        return self._find_stop_string(previous_length) if check_stop else None
+
+    def _find_stop_string(self, previous_length: int) -> str | None:
+        """The earliest stop string in the text added since ``previous_length``."""
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            index = self.output_text.find(stop, max(0, previous_length - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        end = index + len(stop) if self.include_stop_str_in_output else index
+        self.output_text = self.output_text[:end]
+        return stop
+
+    def text_to_deliver(self, finished: bool) -> str:
+        """The text a caller may see now: all of it once finished, otherwise all but a
+        tail that could still turn out to be the start of a stop string."""
+        if finished or not self.stop_buffer_length:
+            return self.output_text
+        return self.output_text[: max(0, len(self.output_text) - self.stop_buffer_length)]

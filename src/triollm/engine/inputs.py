@@ -1,0 +1,71 @@
+"""Prompts in, token ids out: parse vLLM's prompt forms and reject bad ones early.
+
+A prompt is a string, a list of token ids, ``{"prompt": str}`` (TextPrompt) or
+``{"prompt_token_ids": [...]}`` (TokensPrompt). Empty prompts, prompts that leave no
+room to generate within ``max_model_len`` and token ids outside the vocabulary are
+refused with a ``ValueError`` before anything reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypedDict
+
+__all__ = ["ProcessedPrompt", "PromptType", "TextPrompt", "TokensPrompt", "process_prompt"]
+
+
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def process_prompt(prompt: Any, tokenizer: _Encoder, *, max_model_len: int,
+                   vocab_size: int) -> ProcessedPrompt:
+    text: str | None
+    if isinstance(prompt, str):
+        text, token_ids = prompt, None
+    elif isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif "prompt" in prompt:
+            text, token_ids = prompt["prompt"], None
+        else:
+            raise ValueError("prompt: a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+        text, token_ids = None, list(prompt)
+    else:
+        raise ValueError(f"prompt: expected a string, token ids or a prompt dict, got "
+                         f"{type(prompt).__name__}")
+    if token_ids is None:
+        if not isinstance(text, str):
+            raise ValueError("prompt: the 'prompt' field must be a string")
+        if not text:
+            raise ValueError("prompt: must not be empty")
+        token_ids = tokenizer.encode(text)
+    if not token_ids:
+        raise ValueError("prompt: must contain at least one token")
+    for token in token_ids:
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+            raise ValueError(f"prompt_token_ids: {token!r} is not a token id of this model "
+                             f"(vocabulary size {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                         f"max_model_len={max_model_len}")
+    return ProcessedPrompt(text=text, token_ids=token_ids)

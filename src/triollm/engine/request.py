@@ -1,0 +1,106 @@
+"""One request's state inside the engine: its tokens, how many have their KV computed,
+and where it is in its life. No torch, no event loop."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+from triollm.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
+from triollm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from triollm.engine.detokenizer import IncrementalDetokenizer
+
+__all__ = ["FinishReason", "Request", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH_CAPPED = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH_CAPPED,
+    RequestStatus.FINISHED_ABORTED,
+}
+FinishReason = str
+
+
+class Request:
+    """A single sequence being generated (one sample of a user request).
+
+    ``num_computed_tokens`` catches up with ``num_tokens`` step by step; when they meet,
+    the next step samples a token. Preemption resets it to zero (recompute).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        *,
+        priority: int = 0,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.index = index
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.logprobs: SampleLogprobs | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
+        self.cumulative_logprob: float | None = (
+            0.0 if sampling_params.logprobs is not None else None
+        )
+        self.num_delivered_tokens = 0
+        self.num_delivered_chars = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.value if self.status.is_finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

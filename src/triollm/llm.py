@@ -1,0 +1,129 @@
+"""The offline ``LLM`` class: vLLM's batch API over the synchronous engine core."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from triollm.config import DEMO_MODEL_NAME, EngineArgs
+from triollm.engine.core import EngineCore
+from triollm.engine.inputs import PromptType
+from triollm.outputs import RequestOutput
+from triollm.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["LLM", "build_engine_core"]
+
+
+def build_engine_core(args: EngineArgs) -> EngineCore:
+    """Resolve the arguments, load the model and tokenizer, size the KV cache."""
+    from triollm.model.loader import load_tokenizer
+    from triollm.model.torch_runner import TorchModelRunner
+
+    config = args.create_engine_config()
+    tokenizer = load_tokenizer(config.model.tokenizer,
+                               trust_remote_code=config.model.trust_remote_code)
+    runner = TorchModelRunner(config)
+    return EngineCore(config, runner, tokenizer)
+
+
+class LLM:
+    """Generate for a batch of prompts, with continuous batching underneath.
+
+    >>> llm = LLM()  # the built-in demo model (random weights: it writes noise)
+    >>> outputs = llm.generate(["Hello"], SamplingParams(max_tokens=8), use_tqdm=False)
+    >>> len(outputs[0].outputs[0].token_ids) <= 8
+    True
+    """
+
+    def __init__(self, model: str = DEMO_MODEL_NAME, **engine_args: Any) -> None:
+        self.engine = build_engine_core(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One finished ``RequestOutput`` per prompt, in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams() for _ in prompt_list]
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"sampling_params: got {len(params_list)} for "
+                                 f"{len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the tokenizer's chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            token_ids = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in zip(ids, prompts, params_list, strict=True):
+                final_params = SamplingParams(**{**params._as_kwargs(),
+                                                 "output_kind": RequestOutputKind.FINAL_ONLY})
+                engine.add_request(request_id, prompt, final_params)
+                added.append(request_id)
+        except BaseException:
+            engine.abort_requests(added)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        started = time.perf_counter()
+        generated = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        generated += sum(len(c.token_ids) for c in output.outputs)
+                        bar.update(1)
+                        elapsed = time.perf_counter() - started
+                        bar.set_postfix_str(f"output {generated / elapsed:.1f} toks/s")
+        except BaseException:
+            engine.abort_requests(ids)
+            raise
+        finally:
+            bar.close()
+        return [results[request_id] for request_id in ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)

@@ -1,0 +1,254 @@
+"""Paged attention, plugged into transformers' models through ``AttentionInterface``.
+
+The model runs one forward per engine step over a flattened ``[1, T]`` batch. Tokens
+of single-token queries (decodes) come first, then prefill chunks. Each call writes
+the step's keys and values into the paged cache at ``slot_mapping`` and attends:
+
+* decodes in one batched SDPA call over their gathered blocks (gathered into a
+  reused workspace, which on CPU is several times cheaper than a fresh tensor);
+* each prefill chunk on its own, causally, over its cached prefix plus itself.
+
+The per-step metadata travels as the ``triollm_metadata`` keyword through the model
+call, which transformers passes down to every attention layer; there is no global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+__all__ = [
+    "ATTENTION_NAME",
+    "KVCacheSpec",
+    "PagedAttentionMetadata",
+    "PagedKVCache",
+    "PrefillChunk",
+    "ProfileRecorder",
+    "paged_attention_forward",
+]
+
+ATTENTION_NAME = "triollm_paged"
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one attention layer's keys and values."""
+
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class ProfileRecorder:
+    """Used for the first forward: finds the attention layers and their KV shapes."""
+
+    layers: dict[int, KVCacheSpec] = field(default_factory=dict)
+
+
+class PagedKVCache:
+    """Per layer, keys and values laid out ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+
+    The layout lets a gather of whole blocks along dim 1 be viewed directly as the
+    ``[batch, heads, tokens, head_dim]`` SDPA wants, with no transpose copy.
+    """
+
+    def __init__(self, specs: dict[int, KVCacheSpec], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._layer_of_module = {module_id: i for i, module_id in enumerate(specs)}
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for spec in specs.values():
+            shape = (spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
+            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+        self._workspace: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def bytes_per_block(specs: dict[int, KVCacheSpec], block_size: int,
+                        dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * s.num_kv_heads * s.head_dim * block_size * element for s in specs.values())
+
+    def layer(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        index = self._layer_of_module[id(module)]
+        return self.keys[index], self.values[index]
+
+    def gather(self, cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
+        """``cache[:, block_ids]`` into a reused buffer: ``[heads, len(block_ids), bs, dim]``."""
+        heads, _, block_size, dim = cache.shape
+        numel = heads * block_ids.numel() * block_size * dim
+        buffer = self._workspace.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != cache.dtype:
+            buffer = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+            self._workspace[name] = buffer
+        out = buffer[:numel].view(heads, block_ids.numel(), block_size, dim)
+        torch.index_select(cache, 1, block_ids, out=out)
+        return out
+
+
+@dataclass
+class PrefillChunk:
+    """A multi-token query: tokens ``[query_start, query_end)`` of the flat batch, which
+    sit at positions ``context_len - num_query ... context_len - 1`` of its sequence."""
+
+    query_start: int
+    query_end: int
+    context_len: int
+    block_ids: torch.Tensor
+
+    @property
+    def num_query(self) -> int:
+        return self.query_end - self.query_start
+
+
+@dataclass
+class PagedAttentionMetadata:
+    kv_cache: PagedKVCache | None
+    slot_mapping: torch.Tensor
+    num_decodes: int = 0
+    #: ``[num_decodes, max_blocks]`` block ids, padded with block 0 past each table's end.
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    profile: ProfileRecorder | None = None
+    _masks: dict[tuple[object, ...], torch.Tensor | None] = field(default_factory=dict)
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        key = ("decode", sliding_window)
+        mask = self._masks.get(key)
+        if mask is None:
+            if self.decode_block_tables is None or self.decode_context_lens is None:
+                raise RuntimeError("decode metadata missing")
+            length = self.decode_block_tables.shape[1] * self._block_size
+            positions = torch.arange(length, device=self.slot_mapping.device)
+            context = self.decode_context_lens[:, None]
+            mask = positions[None, :] < context
+            if sliding_window is not None:
+                mask &= positions[None, :] > context - 1 - sliding_window
+            mask = mask[:, None, None, :]
+            self._masks[key] = mask
+        return mask
+
+    def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
+        """``None`` means plain causal attention over exactly the chunk's own tokens."""
+        key = ("prefill", index, sliding_window)
+        if key not in self._masks:
+            chunk = self.prefills[index]
+            if chunk.context_len == chunk.num_query and sliding_window is None:
+                self._masks[key] = None
+            else:
+                device = self.slot_mapping.device
+                query_pos = torch.arange(chunk.context_len - chunk.num_query, chunk.context_len,
+                                         device=device)[:, None]
+                key_pos = torch.arange(chunk.context_len, device=device)[None, :]
+                mask = key_pos <= query_pos
+                if sliding_window is not None:
+                    mask &= key_pos > query_pos - sliding_window
+                self._masks[key] = mask[None, None]
+        return self._masks[key]
+
+    @property
+    def _block_size(self) -> int:
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache")
+        return self.kv_cache.block_size
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``[B, Hq, Lq, D]`` attention over ``[B, Hkv, Lk, D]``; a ``None`` mask means causal."""
+    groups = query.shape[1] // key.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=groups > 1,
+        )
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril(lk - lq)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    triollm_metadata: PagedAttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function: ``[1, H, T, D]`` in, ``[1, T, H, D]`` out."""
+    meta = triollm_metadata
+    if meta is None:
+        raise RuntimeError(
+            f"the {ATTENTION_NAME!r} attention runs only inside triollm's model runner")
+    if query.shape[0] != 1:
+        raise RuntimeError("triollm runs one flattened [1, T] batch per forward")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(sliding_window, int) and sliding_window <= 0:
+        sliding_window = None
+    q, k, v = query[0], key[0], value[0]  # [H, T, D]
+
+    if meta.profile is not None:
+        meta.profile.layers[id(module)] = KVCacheSpec(k.shape[0], k.shape[-1])
+        out = _attend(q[None], k[None], v[None], None, scale, softcap)
+        return out.transpose(1, 2), None
+
+    if meta.kv_cache is None:
+        raise RuntimeError("paged attention called without a KV cache")
+    key_cache, value_cache = meta.kv_cache.layer(module)
+    heads, _, _, dim = key_cache.shape
+    key_cache.view(heads, -1, dim).index_copy_(1, meta.slot_mapping, k)
+    value_cache.view(heads, -1, dim).index_copy_(1, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        tables = meta.decode_block_tables
+        if tables is None:
+            raise RuntimeError("decode metadata missing")
+        batch, max_blocks = tables.shape
+        flat = tables.reshape(-1)
+        length = max_blocks * key_cache.shape[2]
+        gathered_k = meta.kv_cache.gather(key_cache, flat, "k").view(heads, batch, length, dim)
+        gathered_v = meta.kv_cache.gather(value_cache, flat, "v").view(heads, batch, length, dim)
+        decode_q = q[:, : meta.num_decodes].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
+        decode_out = _attend(decode_q, gathered_k.transpose(0, 1), gathered_v.transpose(0, 1),
+                             meta.decode_mask(sliding_window), scale, softcap)
+        out[:, : meta.num_decodes] = decode_out[:, :, 0].transpose(0, 1)
+    for index, chunk in enumerate(meta.prefills):
+        chunk_q = q[:, chunk.query_start:chunk.query_end]
+        if chunk.context_len == chunk.num_query:
+            chunk_k = k[:, chunk.query_start:chunk.query_end]
+            chunk_v = v[:, chunk.query_start:chunk.query_end]
+        else:
+            chunk_k = key_cache[:, chunk.block_ids].view(heads, -1, dim)[:, : chunk.context_len]
+            chunk_v = value_cache[:, chunk.block_ids].view(heads, -1, dim)[:, : chunk.context_len]
+        mask = meta.prefill_mask(index, sliding_window)
+        chunk_out = _attend(chunk_q[None], chunk_k[None], chunk_v[None], mask, scale, softcap)
+        out[:, chunk.query_start:chunk.query_end] = chunk_out[0]
+    return out.transpose(0, 1).unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

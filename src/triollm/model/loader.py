@@ -1,0 +1,164 @@
+"""Model configs, weights and tokenizers: from a local directory or hub id through
+transformers' ``from_pretrained``, or the built-in demo model built in-process."""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from triollm.config import DEMO_MODEL_NAME
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = [
+    "DEMO_MODEL_NAME",
+    "SUPPORTED_FAMILIES",
+    "UnsupportedModelError",
+    "build_demo_tokenizer",
+    "check_supported",
+    "load_hf_config",
+    "load_model",
+    "load_tokenizer",
+    "train_byte_level_bpe",
+]
+
+SUPPORTED_FAMILIES = ("Llama", "Qwen2", "Qwen3", "Mistral", "OPT", "GPT-2")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture does not route attention through transformers'
+    attention interface, so the engine cannot plug its paged attention into it."""
+
+
+def load_hf_config(model: str, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    if model == DEMO_MODEL_NAME:
+        return demo_config()
+    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+
+
+def demo_config() -> PretrainedConfig:
+    return transformers.LlamaConfig(
+        vocab_size=len(build_demo_tokenizer()),
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=True,
+    )
+
+
+def check_supported(model_class: type) -> None:
+    """Raise ``UnsupportedModelError`` unless the class uses the attention interface."""
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"{model_class.__name__} does not use transformers' attention interface, so "
+            f"triollm cannot plug its paged attention into it. Supported families: "
+            f"{', '.join(SUPPORTED_FAMILIES)} (and other architectures whose attention "
+            f"goes through transformers' AttentionInterface)."
+        )
+
+
+def load_model(
+    model: str,
+    hf_config: PretrainedConfig,
+    *,
+    attn_implementation: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """Load the model with our attention plugged in, in eval mode, on ``device``."""
+    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "dtype": dtype}
+    model_class = _causal_lm_class(hf_config)
+    if model_class is not None:
+        check_supported(model_class)
+    if model == DEMO_MODEL_NAME:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            loaded = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            model, config=hf_config, trust_remote_code=trust_remote_code, **kwargs
+        )
+    check_supported(type(loaded))
+    return loaded.to(device).eval()
+
+
+def _causal_lm_class(hf_config: PretrainedConfig) -> type | None:
+    try:
+        return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]  # type: ignore[no-any-return]
+    except KeyError:
+        return None  # remote code: checked after loading
+
+
+def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    if name == DEMO_MODEL_NAME:
+        return build_demo_tokenizer()
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+def train_byte_level_bpe(texts: list[str], vocab_size: int) -> PreTrainedTokenizerBase:
+    """Train a byte-level BPE tokenizer offline with the ``tokenizers`` library.
+
+    Any text can be encoded (byte fallback through the byte-level alphabet); it has
+    ``<s>`` / ``</s>`` / ``<pad>`` and a chat template.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def demo_corpus() -> list[str]:
+    text = resources.files("triollm.model").joinpath("demo_corpus.txt").read_text("utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@functools.lru_cache(maxsize=1)
+def _demo_tokenizer() -> PreTrainedTokenizerBase:
+    return train_byte_level_bpe(demo_corpus(), vocab_size=DEMO_VOCAB_TARGET)
+
+
+def build_demo_tokenizer() -> PreTrainedTokenizerBase:
+    """The demo model's tokenizer, trained once per process on the bundled corpus."""
+    return _demo_tokenizer()
+
+
+DEMO_VOCAB_TARGET = 1024

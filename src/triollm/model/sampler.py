@@ -1,0 +1,126 @@
+"""Logits to tokens, batched in torch, with vLLM's sampling parameters.
+
+Order of operations (as vLLM): raw log-probabilities for the caller are taken from the
+model's logits before anything else; then min_tokens masks the stop tokens, penalties
+apply, greedy rows take the argmax and the rest are scaled by temperature, filtered by
+top-k, top-p and min-p and sampled. Sampling uses the exponential race
+(``argmax(p / E)`` with ``E ~ Exp(1)``), so a seeded row draws its noise from its own
+generator and gets the same token whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from triollm.model.runner import TokenLogprobs
+from triollm.sampling_params import SamplingParams
+
+__all__ = ["SamplingRow", "sample", "token_logprobs"]
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Pick one token per row of ``logits`` (``[N, vocab]``)."""
+    logits = logits.float()
+    wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+
+    logits = logits.clone()
+    _apply_min_tokens(logits, rows)
+    _apply_penalties(logits, rows)
+
+    tokens = torch.argmax(logits, dim=-1)
+    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, device=logits.device)
+        probs = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=rows[i].generator or generator)
+        tokens[index] = torch.argmax(probs / noise, dim=-1)
+
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i in wants_logprobs:
+            logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], rows[i].params.logprobs)
+    return token_list, logprobs
+
+
+def token_logprobs(row_logprobs: torch.Tensor, token_id: int, top_k: int | None) -> TokenLogprobs:
+    """The chosen token's log-probability and 1-based rank, then the ``top_k`` best."""
+    chosen = row_logprobs[token_id]
+    rank = int((row_logprobs > chosen).sum().item()) + 1
+    token_ids = [token_id]
+    values = [float(chosen.item())]
+    ranks = [rank]
+    if top_k:
+        top_values, top_ids = torch.topk(row_logprobs, top_k)
+        token_ids += top_ids.tolist()
+        values += top_values.tolist()
+        ranks += list(range(1, top_k + 1))
+    return TokenLogprobs(token_ids=token_ids, logprobs=values, ranks=ranks)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        params = row.params
+        if len(row.output_token_ids) < params.min_tokens and params.all_stop_token_ids:
+            blocked = [t for t in params.all_stop_token_ids if t < logits.shape[-1]]
+            logits[i, blocked] = float("-inf")
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[-1]
+    device = logits.device
+    for i, row in enumerate(rows):
+        params = row.params
+        if not params.has_penalties:
+            continue
+        output = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
+        counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
+        if params.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt = torch.tensor(row.prompt_token_ids, dtype=torch.long, device=device)
+            seen[prompt[prompt < vocab]] = True
+            penalised = torch.where(logits[i] > 0, logits[i] / params.repetition_penalty,
+                                    logits[i] * params.repetition_penalty)
+            logits[i] = torch.where(seen, penalised, logits[i])
+        logits[i] -= params.frequency_penalty * counts
+        logits[i] -= params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        remove = ranks >= torch.tensor(top_k, device=device)[:, None]
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        remove |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+        remove[:, 0] = False
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if bool((min_p > 0).any()):
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs

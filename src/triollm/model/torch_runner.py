@@ -1,0 +1,267 @@
+"""The torch model runner: one forward per engine step over a flattened batch.
+
+It owns the transformers model, the paged KV cache and the per-request sampling state
+(seeded generators, token history for penalties). It prepares the step's inputs from a
+``SchedulerOutput``: single-token queries first, then prefill chunks, with positions
+restarting per sequence, a slot for every token and ``logits_to_keep`` so the LM head
+only runs where a token is sampled or a prompt log-probability is wanted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from triollm.config import EngineConfig
+from triollm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from triollm.model.attention import (
+    ATTENTION_NAME,
+    KVCacheSpec,
+    PagedAttentionMetadata,
+    PagedKVCache,
+    PrefillChunk,
+    ProfileRecorder,
+)
+from triollm.model.loader import load_model
+from triollm.model.runner import RunnerOutput, TokenLogprobs
+from triollm.model.sampler import SamplingRow, sample, token_logprobs
+
+__all__ = ["TorchModelRunner"]
+
+logger = logging.getLogger(__name__)
+
+_PROFILE_TOKENS = 8
+
+
+@dataclass
+class _RequestState:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+class TorchModelRunner:
+    """Runs a transformers causal LM with triollm's paged attention."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_config = config.model
+        self.device = model_config.device
+        self.dtype = model_config.dtype
+        self.block_size = config.cache.block_size
+        self.model = load_model(
+            model_config.model,
+            model_config.hf_config,
+            attn_implementation=ATTENTION_NAME,
+            dtype=self.dtype,
+            device=self.device,
+            trust_remote_code=model_config.trust_remote_code,
+        )
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(model_config.seed)
+        self._requests: dict[str, _RequestState] = {}
+        specs = self._profile()
+        self.num_kv_blocks = self._num_blocks(specs)
+        self.kv_cache = PagedKVCache(specs, self.num_kv_blocks, self.block_size, self.dtype,
+                                     self.device)
+
+    # -- set-up --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _profile(self) -> dict[int, KVCacheSpec]:
+        """Run a forward without a cache to find the attention layers and, on CUDA, the
+        activation memory of a full step."""
+        tokens = _PROFILE_TOKENS
+        if self.device.type == "cuda":
+            tokens = min(self.config.scheduler.max_num_batched_tokens,
+                         self.config.model.max_model_len)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        recorder = ProfileRecorder()
+        metadata = PagedAttentionMetadata(
+            kv_cache=None, slot_mapping=torch.empty(0, dtype=torch.long), profile=recorder)
+        input_ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(tokens, device=self.device)[None]
+        self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                   logits_to_keep=1, triollm_metadata=metadata)
+        if not recorder.layers:
+            raise RuntimeError("the model never called its attention interface")
+        return recorder.layers
+
+    def _num_blocks(self, specs: dict[int, KVCacheSpec]) -> int:
+        cache = self.config.cache
+        per_block = PagedKVCache.bytes_per_block(specs, self.block_size, self.dtype)
+        if cache.num_gpu_blocks_override is not None:
+            blocks = cache.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(
+                self.device)
+            budget = total * cache.gpu_memory_utilization - used - peak_extra
+            blocks = int(budget // per_block)
+        else:
+            blocks = int(cache.kv_cache_space_gb * (1 << 30) // per_block)
+            # More blocks than every running sequence can fill at full length only cost
+            # start-up time and memory on CPU.
+            useful = self.config.scheduler.max_num_seqs * -(
+                -self.config.model.max_model_len // self.block_size)
+            blocks = min(blocks, useful)
+        needed = -(-self.config.model.max_model_len // self.block_size)
+        if blocks < needed:
+            raise ValueError(
+                f"max_model_len: the KV cache holds {blocks} blocks of {self.block_size} "
+                f"tokens, fewer than one sequence of max_model_len="
+                f"{self.config.model.max_model_len} needs ({needed}); lower max_model_len or "
+                f"give the cache more memory (kv_cache_space_gb / gpu_memory_utilization / "
+                f"num_gpu_blocks_override)")
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", blocks, self.block_size,
+                    blocks * per_block / 2**20)
+        return blocks
+
+    # -- the step ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self._requests.pop(request_id, None)
+        if scheduler_output.is_empty:
+            return RunnerOutput()
+        items = sorted(scheduler_output.scheduled, key=lambda item: item.num_tokens != 1)
+        for item in items:
+            if item.request_id not in self._requests:
+                self._requests[item.request_id] = self._new_state(item)
+
+        metadata, input_ids, positions, keep, keep_owner = self._prepare(items)
+        logits = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=keep,
+            triollm_metadata=metadata,
+        ).logits[0]
+        return self._sample(items, logits, keep_owner)
+
+    def _new_state(self, item: ScheduledRequest) -> _RequestState:
+        generator = None
+        if item.sampling_params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(item.sampling_params.seed)
+        return _RequestState(item.prompt_token_ids, [], generator)
+
+    def _prepare(
+        self, items: list[ScheduledRequest]
+    ) -> tuple[PagedAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        keep: list[int] = []
+        keep_owner: list[int] = []  # index into items, for each kept row
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for index, item in enumerate(items):
+            start = item.start_position
+            count = item.num_tokens
+            table = item.block_table
+            query_start = len(input_ids)
+            input_ids.extend(item.token_ids)
+            span = range(start, start + count)
+            positions.extend(span)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+            if item.wants_prompt_logprobs:
+                keep.extend(range(query_start, query_start + count))
+                keep_owner.extend([index] * count)
+            elif item.sample:
+                keep.append(query_start + count - 1)
+                keep_owner.append(index)
+            context_len = start + count
+            if count == 1:
+                decode_tables.append(table[: -(-context_len // block_size)])
+                decode_lens.append(context_len)
+            else:
+                used = table[: -(-context_len // block_size)]
+                prefills.append(PrefillChunk(
+                    query_start, query_start + count, context_len,
+                    torch.tensor(used, dtype=torch.long, device=self.device)))
+
+        device = self.device
+        tables_tensor = None
+        lens_tensor = None
+        if decode_tables:
+            width = max(map(len, decode_tables))
+            tables_tensor = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                         dtype=torch.long, device=device)
+            lens_tensor = torch.tensor(decode_lens, dtype=torch.long, device=device)
+        metadata = PagedAttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decodes=len(decode_tables),
+            decode_block_tables=tables_tensor,
+            decode_context_lens=lens_tensor,
+            prefills=prefills,
+        )
+        return (
+            metadata,
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            torch.tensor(keep, dtype=torch.long, device=device),
+            keep_owner,
+        )
+
+    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
+                keep_owner: list[int]) -> RunnerOutput:
+        last_row: dict[int, int] = {}
+        first_row: dict[int, int] = {}
+        for row, owner in enumerate(keep_owner):
+            first_row.setdefault(owner, row)
+            last_row[owner] = row
+
+        output = RunnerOutput()
+        sample_items = [i for i, item in enumerate(items) if item.sample]
+        if sample_items:
+            rows = [
+                SamplingRow(
+                    params=items[i].sampling_params,
+                    generator=self._requests[items[i].request_id].generator,
+                    prompt_token_ids=items[i].prompt_token_ids,
+                    output_token_ids=self._requests[items[i].request_id].output_token_ids,
+                )
+                for i in sample_items
+            ]
+            row_index = torch.tensor([last_row[i] for i in sample_items], device=logits.device)
+            tokens, logprobs = sample(logits[row_index], rows, self.generator)
+            for i, token, token_lp in zip(sample_items, tokens, logprobs, strict=True):
+                request_id = items[i].request_id
+                self._requests[request_id].output_token_ids.append(token)
+                output.sampled_token_ids[request_id] = token
+                if token_lp is not None:
+                    output.logprobs[request_id] = token_lp
+
+        for i, item in enumerate(items):
+            if item.wants_prompt_logprobs:
+                output.prompt_logprobs[item.request_id] = self._prompt_logprobs(
+                    item, logits[first_row[i]: last_row[i] + 1])
+        return output
+
+    def _prompt_logprobs(self, item: ScheduledRequest,
+                         chunk_logits: torch.Tensor) -> list[TokenLogprobs]:
+        prompt = item.prompt_token_ids
+        last = min(item.start_position + item.num_tokens, len(prompt) - 1)
+        count = last - item.start_position
+        logprobs = torch.log_softmax(chunk_logits[:count].float(), dim=-1)
+        top_k = item.sampling_params.prompt_logprobs
+        return [
+            token_logprobs(logprobs[j], prompt[item.start_position + j + 1], top_k)
+            for j in range(count)
+        ]
+
+    def shutdown(self) -> None:
+        self._requests.clear()
+        del self.kv_cache
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,73 @@
+"""What the engine hands back: ``RequestOutput`` with one ``CompletionOutput`` per sample.
+
+Shapes and names follow vLLM so code written against vLLM's outputs keeps working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SampleLogprobs"]
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token, its 1-based rank, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: One dict per position: token id -> Logprob (the chosen token and the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.time()`` seconds) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  #: "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  #: the stop string or token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request as delivered to its caller."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    extra: dict[str, object] = field(default_factory=dict, repr=False)

@@ -1,0 +1,154 @@
+"""Per-request sampling and pooling parameters, validated once at construction.
+
+Field names and meanings follow vLLM's ``SamplingParams`` so that code written for
+vLLM runs unchanged. Every invalid value raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PoolingParams", "RequestOutputKind", "SamplingParams"]
+
+_GREEDY_EPSILON = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each streamed ``RequestOutput`` carries."""
+
+    CUMULATIVE = 0  #: all text and tokens produced so far
+    DELTA = 1  #: only what is new since the previous output
+    FINAL_ONLY = 2  #: nothing until the request finishes
+
+
+def _fail(field_name: str, message: str) -> ValueError:
+    return ValueError(f"{field_name}: {message}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request (vLLM's fields and defaults).
+
+    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``seed`` makes
+    one request's sampling reproducible whatever else is in the batch.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled in by the engine: the tokenizer's end-of-sequence ids.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.output_kind, int):
+            self.output_kind = RequestOutputKind(self.output_kind)
+        self._validate()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise _fail("n", f"must be an integer >= 1, got {self.n!r}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise _fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise _fail("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0.0:
+            raise _fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not self.temperature >= 0.0:
+            raise _fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise _fail("top_k", f"must be -1 (disabled) or an integer >= 0, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not is_int(self.seed):
+            raise _fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _fail(
+                "min_tokens",
+                f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise _fail(name, f"must be an integer >= 0, got {value!r}")
+        stops: list[str] = self.stop if isinstance(self.stop, list) else []
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise _fail("stop", "must contain only non-empty strings")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids or []):
+            raise _fail("stop_token_ids", "must contain only non-negative integers")
+        if stops and not self.detokenize:
+            raise _fail("stop", "stop strings need detokenize=True")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise _fail("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def child(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of an ``n > 1`` request (seed offset by index)."""
+        seed = None if self.seed is None else self.seed + index
+        params = SamplingParams(**{**self._as_kwargs(), "n": 1, "seed": seed})
+        params.all_stop_token_ids = set(self.all_stop_token_ids)
+        return params
+
+    def _as_kwargs(self) -> dict[str, Any]:
+        return {
+            name: getattr(self, name)
+            for name in self.__dataclass_fields__
+            if name != "all_stop_token_ids"
+        }
+
+
+@dataclass
+class PoolingParams:
+    """Parameters of an embedding (pooling) request. Accepted for API compatibility;
+    embeddings are not served yet."""
+
+    dimensions: int | None = None

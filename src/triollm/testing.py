@@ -1,0 +1,152 @@
+"""Public helpers for testing code that uses triollm, without a real model.
+
+* ``FakeModelRunner``: a deterministic ``ModelRunner`` with no torch; the next token
+  of a sequence is a pure function of its last token and position, so results do not
+  depend on batching, chunking or preemption. It can sleep per step and raise at a
+  chosen step to test failure handling.
+* ``build_tiny_model``: a random-weight transformers model of a supported family,
+  saved with a tokenizer trained offline, ready for ``LLM(model=path)``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from triollm.engine.scheduler import SchedulerOutput
+from triollm.model.runner import RunnerOutput
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+__all__ = [
+    "TINY_FAMILIES",
+    "FakeModelRunner",
+    "build_tiny_model",
+    "fake_next_token",
+    "tiny_config",
+    "train_test_tokenizer",
+]
+
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "opt", "gpt2")
+
+
+def fake_next_token(last_token: int, position: int, vocab_size: int) -> int:
+    """The fake model's "prediction": deterministic, never the same token twice in a row."""
+    return (last_token * 7 + position * 13 + 1) % vocab_size
+
+
+class FakeModelRunner:
+    """A ``ModelRunner`` that computes nothing and predicts ``fake_next_token``.
+
+    ``step_delay`` seconds of ``time.sleep`` per step imitate model time (it runs in the
+    engine's worker thread, so sleeping there is realistic). ``fail_at_step`` raises
+    ``RuntimeError`` from that step (0-based), or ``fail_when`` decides per step.
+    """
+
+    def __init__(
+        self,
+        num_kv_blocks: int = 1024,
+        vocab_size: int = 1000,
+        *,
+        step_delay: float = 0.0,
+        fail_at_step: int | None = None,
+        fail_when: Callable[[SchedulerOutput], bool] | None = None,
+    ) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.vocab_size = vocab_size
+        self.step_delay = step_delay
+        self.fail_at_step = fail_at_step
+        self.fail_when = fail_when
+        self.num_steps = 0
+        self.computed: list[SchedulerOutput] = []
+        self.thread_ids: set[int] = set()
+        self.shut_down = False
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self.thread_ids.add(threading.get_ident())
+        step = self.num_steps
+        self.num_steps += 1
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        if step == self.fail_at_step or (self.fail_when and self.fail_when(scheduler_output)):
+            raise RuntimeError(f"fake model failure at step {step}")
+        self.computed.append(scheduler_output)
+        sampled = {}
+        for item in scheduler_output.scheduled:
+            if item.sample:
+                position = item.start_position + item.num_tokens - 1
+                sampled[item.request_id] = fake_next_token(item.token_ids[-1], position,
+                                                           self.vocab_size)
+        return RunnerOutput(sampled_token_ids=sampled)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+def train_test_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerBase:
+    """A byte-level BPE tokenizer trained offline on the bundled corpus."""
+    from triollm.model.loader import demo_corpus, train_byte_level_bpe
+
+    return train_byte_level_bpe(demo_corpus(), vocab_size=vocab_size)
+
+
+def tiny_config(family: str, vocab_size: int, **overrides: Any) -> PretrainedConfig:
+    """A small config of ``family`` (one of ``TINY_FAMILIES``)."""
+    import transformers
+
+    special = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+    decoder = {
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, **special,
+    }
+    configs: dict[str, Callable[[], PretrainedConfig]] = {
+        "llama": lambda: transformers.LlamaConfig(**decoder),
+        "qwen2": lambda: transformers.Qwen2Config(**decoder),
+        "qwen3": lambda: transformers.Qwen3Config(**decoder, head_dim=16),
+        "mistral": lambda: transformers.MistralConfig(**decoder, sliding_window=40),
+        "opt": lambda: transformers.OPTConfig(
+            vocab_size=vocab_size, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
+            **special),
+        "gpt2": lambda: transformers.GPT2Config(
+            vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+            **special),
+    }
+    if family not in configs:
+        raise ValueError(f"family: expected one of {TINY_FAMILIES}, got {family!r}")
+    config = configs[family]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def build_tiny_model(
+    family: str,
+    directory: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Save a random-weight model of ``family`` and its tokenizer under ``directory``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tokenizer if tokenizer is not None else train_test_tokenizer()
+    config = tiny_config(family, len(tokenizer), **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # Random init is nearly flat; sharper logits make greedy decoding meaningful.
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.data.normal_(0.0, 0.15)
+    path = Path(directory)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
