@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from triollm.config import SchedulerConfig
 from triollm.engine.block_manager import BlockManager
 from triollm.engine.request import Request, RequestStatus
 from triollm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from triollm.config import SchedulerConfig
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStatistics"]
 

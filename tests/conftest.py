@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+settings.register_profile(
+    "ci", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "dev", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    from triollm.testing import train_test_tokenizer
+
+    return train_test_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> dict[str, Path]:
+    """One saved random-weight model per supported family, built once per session."""
+    from transformers.utils import logging as hf_logging
+
+    from triollm.testing import TINY_FAMILIES, build_tiny_model
+
+    hf_logging.disable_progress_bar()
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {family: build_tiny_model(family, root / family, tokenizer)
+            for family in TINY_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def llama_path(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]

@@ -1,0 +1,132 @@
+"""The public surface: exports, the offline LLM API, the demo model, import rules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import triollm
+from triollm import LLM, SamplingParams
+
+
+def test_exports_are_exactly_the_public_api() -> None:
+    assert sorted(triollm.__all__) == sorted([
+        "LLM", "AsyncEngineArgs", "CompletionOutput", "EngineArgs", "Logprob", "ModelRunner",
+        "PoolingParams", "RequestMetrics", "RequestOutput", "RequestOutputKind",
+        "RunnerOutput", "SamplingParams",
+    ])
+    for name in triollm.__all__:
+        assert getattr(triollm, name) is not None
+
+
+SRC = Path(triollm.__file__).parent
+
+
+def imported_modules(module: str) -> set[str]:
+    """Every module that ``module`` imports, following triollm's own modules
+    transitively (including lazy imports inside functions)."""
+    seen: set[str] = set()
+    found: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        relative = Path(*name.split(".")[1:])
+        path = SRC / relative / "__init__.py" if (SRC / relative).is_dir() else \
+            SRC / relative.with_suffix(".py")
+        for node in runtime_nodes(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for imported in names:
+                found.add(imported)
+                if imported.startswith("triollm."):
+                    todo.append(imported)
+    return found
+
+
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """All nodes except those under ``if TYPE_CHECKING:``, which never run."""
+    nodes: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        nodes.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+def forbidden(module: str, roots: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in imported_modules(module) if m.split(".")[0] in roots)
+
+
+@pytest.mark.parametrize("module", [
+    "triollm.engine.request", "triollm.engine.scheduler", "triollm.engine.block_manager",
+    "triollm.sampling_params", "triollm.outputs", "triollm.engine.detokenizer",
+    "triollm.model.runner",
+])
+def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
+    assert forbidden(module, ("torch", "anyio", "trio", "asyncio")) == []
+
+
+@pytest.mark.parametrize("module", [
+    "triollm.model.attention", "triollm.model.sampler", "triollm.model.torch_runner",
+    "triollm.model.loader", "triollm.engine.core", "triollm.llm",
+])
+def test_model_and_sync_engine_code_never_import_an_event_loop(module: str) -> None:
+    assert forbidden(module, ("anyio", "trio", "asyncio")) == []
+
+
+def test_the_import_check_sees_real_imports() -> None:
+    assert "torch" in {m.split(".")[0] for m in imported_modules("triollm.model.sampler")}
+
+
+def test_generate_returns_outputs_in_input_order_with_per_prompt_params(
+        llama_path: Path) -> None:
+    llm = LLM(str(llama_path), max_model_len=128, num_gpu_blocks_override=64)
+    prompts = ["one", "two two", {"prompt": "three"}, {"prompt_token_ids": [5, 6, 7]}]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 1, 4, 2)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 1, 4, 2]
+    assert outputs[0].prompt == "one" and outputs[3].prompt_token_ids == [5, 6, 7]
+    assert all(o.finished and o.metrics and o.metrics.finished_time for o in outputs)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(prompts, params[:2], use_tqdm=False)
+
+
+def test_chat_uses_the_chat_template(llama_path: Path) -> None:
+    llm = LLM(str(llama_path), max_model_len=128, num_gpu_blocks_override=64)
+    (out,) = llm.chat([{"role": "user", "content": "hi"}],
+                      SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    text = llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert text == "<|user|>\nhi</s>\n<|assistant|>\n"
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_demo_model_serves_offline_by_default() -> None:
+    llm = LLM()
+    assert llm.engine.config.model.model == "triollm/tiny-demo"
+    (out,) = llm.generate("Hello", SamplingParams(max_tokens=5, ignore_eos=True),
+                          use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 5
+    again = LLM().generate("Hello", SamplingParams(max_tokens=5, ignore_eos=True,
+                                                   temperature=0), use_tqdm=False)
+    assert again[0].outputs[0].token_ids == LLM().generate(
+        "Hello", SamplingParams(max_tokens=5, ignore_eos=True, temperature=0),
+        use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_progress_bar_reports_tokens_per_second(llama_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    llm = LLM(str(llama_path), max_model_len=128, num_gpu_blocks_override=64)
+    llm.generate(["a", "b"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=True)
+    assert "toks/s" in capsys.readouterr().err

@@ -1,0 +1,173 @@
+"""Scheduler and block manager invariants over generated workloads (fake model runner).
+
+The fake runner's next token depends only on the sequence itself, so every request's
+output must be identical whatever the budget, batch size, block count, chunking,
+preemptions and aborts of other requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from triollm import EngineArgs, SamplingParams
+from triollm.engine.core import EngineCore
+from triollm.engine.scheduler import SchedulerOutput
+from triollm.model.runner import RunnerOutput
+from triollm.testing import FakeModelRunner, fake_next_token
+
+VOCAB = 500
+MAX_MODEL_LEN = 96
+
+
+class CheckingRunner(FakeModelRunner):
+    """Checks every step against the scheduler's limits before computing it."""
+
+    def __init__(self, core_limits: dict[str, int], **kwargs: Any) -> None:
+        super().__init__(vocab_size=VOCAB, **kwargs)
+        self.limits = core_limits
+        self.slots_in_use: dict[int, str] = {}
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        scheduled = scheduler_output.scheduled
+        assert sum(item.num_tokens for item in scheduled) <= self.limits["budget"]
+        assert len({item.request_id for item in scheduled}) == len(scheduled)
+        owners: dict[int, str] = {}
+        for item in scheduled:
+            end = item.start_position + item.num_tokens
+            assert len(item.block_table) * self.limits["block_size"] >= end
+            for block in item.block_table:
+                assert owners.setdefault(block, item.request_id) == item.request_id, \
+                    "two running requests share a block"
+        return super().execute_model(scheduler_output)
+
+
+def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        if len(tokens) >= MAX_MODEL_LEN:
+            break
+        tokens.append(fake_next_token(tokens[-1], len(tokens) - 1, VOCAB))
+    return tokens[len(prompt):]
+
+
+def make_core(tokenizer: Any, *, budget: int, max_num_seqs: int, block_size: int,
+              num_blocks: int, chunked: bool) -> tuple[EngineCore, CheckingRunner]:
+    args = EngineArgs(model="triollm/tiny-demo", max_model_len=MAX_MODEL_LEN,
+                      max_num_batched_tokens=budget if chunked else max(budget, MAX_MODEL_LEN),
+                      max_num_seqs=max_num_seqs, block_size=block_size,
+                      enable_chunked_prefill=chunked)
+    config = args.create_engine_config()
+    runner = CheckingRunner({"budget": config.scheduler.max_num_batched_tokens,
+                             "block_size": block_size}, num_kv_blocks=num_blocks)
+    return EngineCore(config, runner, tokenizer), runner
+
+
+request_strategy = st.tuples(
+    st.lists(st.integers(5, VOCAB - 1), min_size=1, max_size=40),  # prompt
+    st.integers(1, 30),  # max_tokens
+    st.integers(0, 12),  # arrival step
+    st.one_of(st.none(), st.integers(0, 40)),  # abort at step
+)
+
+
+@given(
+    requests=st.lists(request_strategy, min_size=1, max_size=12),
+    budget=st.integers(4, 64),
+    max_num_seqs=st.integers(1, 8),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    spare_blocks=st.integers(0, 40),
+    chunked=st.booleans(),
+)
+def test_outputs_are_independent_of_scheduling_and_blocks_never_leak(
+    tokenizer: Any, requests: list[tuple[list[int], int, int, int | None]], budget: int,
+    max_num_seqs: int, block_size: int, spare_blocks: int, chunked: bool,
+) -> None:
+    min_blocks = -(-MAX_MODEL_LEN // block_size)
+    core, runner = make_core(tokenizer, budget=budget, max_num_seqs=max_num_seqs,
+                             block_size=block_size, num_blocks=min_blocks + spare_blocks,
+                             chunked=chunked)
+    finals: dict[str, Any] = {}
+    aborted: set[str] = set()
+    step = 0
+    pending = sorted(enumerate(requests), key=lambda item: item[1][2])
+    while pending or core.has_unfinished_requests():
+        while pending and pending[0][1][2] <= step:
+            index, (prompt, max_tokens, _, _) = pending.pop(0)
+            core.add_request(str(index), {"prompt_token_ids": prompt},
+                             SamplingParams(temperature=0, max_tokens=max_tokens,
+                                            ignore_eos=True, detokenize=False))
+        for index, (_, _, arrival, abort_at) in enumerate(requests):
+            if abort_at is not None and arrival + abort_at == step and str(index) not in finals:
+                for output in core.abort_requests([str(index)]):
+                    aborted.add(output.request_id)
+                    finals[output.request_id] = output
+        for output in core.step():
+            assert output.request_id not in finals, "output after the final one"
+            if output.finished:
+                finals[output.request_id] = output
+        stats = core.statistics()
+        assert stats.num_running <= max_num_seqs
+        step += 1
+        assert step < 5000, "no progress"
+
+    note(f"steps={step} preemptions={core.statistics().num_preemptions}")
+    stats = core.statistics()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert core.block_manager.statistics().num_requests == 0
+    assert len(finals) == len(requests)
+    for index, (prompt, max_tokens, _, _) in enumerate(requests):
+        output = finals[str(index)].outputs[0]
+        expected = expected_tokens(prompt, max_tokens)
+        if str(index) in aborted:
+            assert output.finish_reason == "abort"
+            assert output.token_ids == expected[: len(output.token_ids)]
+        else:
+            assert output.token_ids == expected
+            assert output.finish_reason == "length"
+
+
+def test_preempted_request_resumes_with_identical_tokens(tokenizer: Any) -> None:
+    core, runner = make_core(tokenizer, budget=64, max_num_seqs=4, block_size=4,
+                             num_blocks=26, chunked=True)
+    prompts = [[10 + i] * 20 for i in range(4)]
+    for i, prompt in enumerate(prompts):
+        core.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=40,
+                                                        ignore_eos=True, detokenize=False))
+    finals = {}
+    while core.has_unfinished_requests():
+        for output in core.step():
+            if output.finished:
+                finals[output.request_id] = output
+    assert core.statistics().num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        assert finals[str(i)].outputs[0].token_ids == expected_tokens(prompt, 40)
+
+
+def test_abort_frees_blocks_at_once_and_unknown_ids_are_ignored(tokenizer: Any) -> None:
+    core, _ = make_core(tokenizer, budget=16, max_num_seqs=4, block_size=4, num_blocks=64,
+                        chunked=True)
+    core.add_request("a", [5] * 30, SamplingParams(max_tokens=10, detokenize=False))
+    core.step()
+    assert core.statistics().num_free_blocks < 64
+    (final,) = core.abort_requests(["a", "nope"])
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert core.statistics().num_free_blocks == 64
+    assert core.abort_requests(["a"]) == []
+    assert not core.has_unfinished_requests()
+
+
+def test_duplicate_request_id_is_refused_without_disturbing_the_first(tokenizer: Any) -> None:
+    core, _ = make_core(tokenizer, budget=16, max_num_seqs=4, block_size=4, num_blocks=64,
+                        chunked=True)
+    core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False))
+    with pytest.raises(ValueError, match="request_id"):
+        core.add_request("a", [8, 9], SamplingParams(max_tokens=3, detokenize=False))
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs += core.step()
+    assert outputs[-1].prompt_token_ids == [5, 6, 7]
+    assert outputs[-1].outputs[0].token_ids == expected_tokens([5, 6, 7], 3)
