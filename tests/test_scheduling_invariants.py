@@ -87,7 +87,7 @@ def test_outputs_are_independent_of_scheduling_and_blocks_never_leak(
     max_num_seqs: int, block_size: int, spare_blocks: int, chunked: bool,
 ) -> None:
     min_blocks = -(-MAX_MODEL_LEN // block_size)
-    core, runner = make_core(tokenizer, budget=budget, max_num_seqs=max_num_seqs,
+    core, _runner = make_core(tokenizer, budget=budget, max_num_seqs=max_num_seqs,
                              block_size=block_size, num_blocks=min_blocks + spare_blocks,
                              chunked=chunked)
     finals: dict[str, Any] = {}
@@ -131,7 +131,7 @@ def test_outputs_are_independent_of_scheduling_and_blocks_never_leak(
 
 
 def test_preempted_request_resumes_with_identical_tokens(tokenizer: Any) -> None:
-    core, runner = make_core(tokenizer, budget=64, max_num_seqs=4, block_size=4,
+    core, _runner = make_core(tokenizer, budget=64, max_num_seqs=4, block_size=4,
                              num_blocks=26, chunked=True)
     prompts = [[10 + i] * 20 for i in range(4)]
     for i, prompt in enumerate(prompts):
@@ -163,7 +163,8 @@ def test_abort_frees_blocks_at_once_and_unknown_ids_are_ignored(tokenizer: Any) 
 def test_duplicate_request_id_is_refused_without_disturbing_the_first(tokenizer: Any) -> None:
     core, _ = make_core(tokenizer, budget=16, max_num_seqs=4, block_size=4, num_blocks=64,
                         chunked=True)
-    core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False))
+    core.add_request("a", [5, 6, 7],
+                     SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False))
     with pytest.raises(ValueError, match="request_id"):
         core.add_request("a", [8, 9], SamplingParams(max_tokens=3, detokenize=False))
     outputs = []

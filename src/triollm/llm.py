@@ -123,7 +123,7 @@ class LLM:
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, str | dict):
-        return [prompts]
+        return [prompts]  # type: ignore[list-item]
     if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     return list(prompts)

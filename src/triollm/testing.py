@@ -98,8 +98,8 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> PretrainedCon
     """A small config of ``family`` (one of ``TINY_FAMILIES``)."""
     import transformers
 
-    special = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
-    decoder = {
+    special: dict[str, Any] = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+    decoder: dict[str, Any] = {
         "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 512, **special,

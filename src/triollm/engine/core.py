@@ -119,7 +119,9 @@ class EngineCore:
             for child in parent.children:
                 if child.request_id in running:
                     child.metrics.finished_time = now
-            outputs.append(self._make_output(parent, force_full=True))
+            output = self._make_output(parent, force_full=True)
+            if output is not None:
+                outputs.append(output)
             self._forget(parent)
         return outputs
 
@@ -171,7 +173,8 @@ class EngineCore:
             token_lp = runner_output.logprobs.get(item.request_id)
             if token_lp is not None and request.logprobs is not None:
                 request.logprobs.append(self._logprob_dict(token_lp))
-                request.cumulative_logprob = (request.cumulative_logprob or 0.0) + token_lp.logprobs[0]
+                previous = request.cumulative_logprob or 0.0
+                request.cumulative_logprob = previous + token_lp.logprobs[0]
             status = self._check_stop(request, token)
             if status is not None:
                 request.status = status  # final; the scheduler frees it below

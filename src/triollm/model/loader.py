@@ -105,9 +105,12 @@ def load_model(
 
 def _causal_lm_class(hf_config: PretrainedConfig) -> type | None:
     try:
-        return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]  # type: ignore[no-any-return]
+        found: Any = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     except KeyError:
         return None  # remote code: checked after loading
+    if isinstance(found, tuple):
+        found = next((cls for cls in found if cls is not None), None)
+    return found if isinstance(found, type) else None
 
 
 def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

@@ -18,6 +18,7 @@ from triollm.config import EngineConfig
 from triollm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from triollm.model.attention import (
     ATTENTION_NAME,
+    DecodeGroup,
     KVCacheSpec,
     PagedAttentionMetadata,
     PagedKVCache,
@@ -33,6 +34,9 @@ __all__ = ["TorchModelRunner"]
 logger = logging.getLogger(__name__)
 
 _PROFILE_TOKENS = 8
+#: A decode joins a group if the group's longest block table is at most this many
+#: times its own.
+_MAX_DECODE_PADDING = 1.25
 
 
 @dataclass
@@ -50,6 +54,9 @@ class TorchModelRunner:
         model_config = config.model
         self.device = model_config.device
         self.dtype = model_config.dtype
+        # On CPU, attention over the cache runs several times faster in fp32 than in
+        # bf16 (the CPU SDPA kernels), at twice the cache memory per token.
+        self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.block_size = config.cache.block_size
         self.model = load_model(
             model_config.model,
@@ -65,8 +72,8 @@ class TorchModelRunner:
         self._requests: dict[str, _RequestState] = {}
         specs = self._profile()
         self.num_kv_blocks = self._num_blocks(specs)
-        self.kv_cache = PagedKVCache(specs, self.num_kv_blocks, self.block_size, self.dtype,
-                                     self.device)
+        self.kv_cache = PagedKVCache(specs, self.num_kv_blocks, self.block_size,
+                                     self.cache_dtype, self.device)
 
     # -- set-up --------------------------------------------------------------------
 
@@ -92,7 +99,7 @@ class TorchModelRunner:
 
     def _num_blocks(self, specs: dict[int, KVCacheSpec]) -> int:
         cache = self.config.cache
-        per_block = PagedKVCache.bytes_per_block(specs, self.block_size, self.dtype)
+        per_block = PagedKVCache.bytes_per_block(specs, self.block_size, self.cache_dtype)
         if cache.num_gpu_blocks_override is not None:
             blocks = cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
@@ -129,7 +136,10 @@ class TorchModelRunner:
             self._requests.pop(request_id, None)
         if scheduler_output.is_empty:
             return RunnerOutput()
-        items = sorted(scheduler_output.scheduled, key=lambda item: item.num_tokens != 1)
+        # Single-token queries first, longest context first, so that decodes of similar
+        # length sit next to each other and can share one padded attention call.
+        items = sorted(scheduler_output.scheduled,
+                       key=lambda item: (item.num_tokens != 1, -item.start_position))
         for item in items:
             if item.request_id not in self._requests:
                 self._requests[item.request_id] = self._new_state(item)
@@ -189,19 +199,10 @@ class TorchModelRunner:
                     torch.tensor(used, dtype=torch.long, device=self.device)))
 
         device = self.device
-        tables_tensor = None
-        lens_tensor = None
-        if decode_tables:
-            width = max(map(len, decode_tables))
-            tables_tensor = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                                         dtype=torch.long, device=device)
-            lens_tensor = torch.tensor(decode_lens, dtype=torch.long, device=device)
         metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            num_decodes=len(decode_tables),
-            decode_block_tables=tables_tensor,
-            decode_context_lens=lens_tensor,
+            decode_groups=self._decode_groups(decode_tables, decode_lens),
             prefills=prefills,
         )
         return (
@@ -211,6 +212,24 @@ class TorchModelRunner:
             torch.tensor(keep, dtype=torch.long, device=device),
             keep_owner,
         )
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split decodes (sorted longest first) where padding to the group's longest table
+        would exceed a quarter of the work."""
+        groups = []
+        start = 0
+        while start < len(tables):
+            width = len(tables[start])
+            end = start + 1
+            while end < len(tables) and len(tables[end]) * _MAX_DECODE_PADDING >= width:
+                end += 1
+            padded = [t + [0] * (width - len(t)) for t in tables[start:end]]
+            groups.append(DecodeGroup(
+                start, end,
+                torch.tensor(padded, dtype=torch.long, device=self.device),
+                torch.tensor(lens[start:end], dtype=torch.long, device=self.device)))
+            start = end
+        return groups
 
     def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
                 keep_owner: list[int]) -> RunnerOutput:
