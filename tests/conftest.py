@@ -43,3 +43,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> dic
 @pytest.fixture(scope="session")
 def llama_path(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session", params=["trio", "asyncio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test runs on trio and on asyncio."""
+    return str(request.param)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from triollm import LLM, SamplingParams
-from triollm.testing import TINY_FAMILIES
+from triollm.testing import TINY_FAMILIES, build_tiny_model
 
 PROMPTS = [
     "Hello",
@@ -74,3 +74,17 @@ def test_greedy_batch_equals_transformers_generate(
     if variant == "preemption":
         assert stats.num_preemptions > 0, "the variant must actually preempt"
         assert any(o.metrics and o.metrics.num_preemptions for o in outputs)
+
+
+@pytest.mark.parametrize("variant", ["chunked", "split-prompts"])
+def test_softcap_and_alternating_sliding_windows_match_transformers(
+    variant: str, tmp_path_factory: pytest.TempPathFactory, tokenizer: Any
+) -> None:
+    """Gemma2 passes ``softcap`` and per-layer ``sliding_window`` to the attention
+    function; prompts longer than its 24-token window exercise both."""
+    path = build_tiny_model("gemma2", tmp_path_factory.mktemp("gemma2"), tokenizer)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, num_gpu_blocks_override=256,
+              **VARIANTS[variant])
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference(path)

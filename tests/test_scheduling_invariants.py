@@ -153,10 +153,10 @@ def test_abort_frees_blocks_at_once_and_unknown_ids_are_ignored(tokenizer: Any) 
     core.add_request("a", [5] * 30, SamplingParams(max_tokens=10, detokenize=False))
     core.step()
     assert core.statistics().num_free_blocks < 64
-    (final,) = core.abort_requests(["a", "nope"])
+    (final,) = core.abort_request(["a", "nope"])
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert core.statistics().num_free_blocks == 64
-    assert core.abort_requests(["a"]) == []
+    assert core.abort_request("a") == []
     assert not core.has_unfinished_requests()
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from triollm.config import AsyncEngineArgs, EngineArgs
+from triollm.engine.async_engine import AsyncLLMEngine, EngineStatistics
+from triollm.engine.inputs import TextPrompt, TokensPrompt
+from triollm.errors import EngineClosedError, EngineDeadError, EngineError
 from triollm.llm import LLM
 from triollm.model.runner import ModelRunner, RunnerOutput
 from triollm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -11,8 +14,13 @@ from triollm.sampling_params import PoolingParams, RequestOutputKind, SamplingPa
 __all__ = [
     "LLM",
     "AsyncEngineArgs",
+    "AsyncLLMEngine",
     "CompletionOutput",
     "EngineArgs",
+    "EngineClosedError",
+    "EngineDeadError",
+    "EngineError",
+    "EngineStatistics",
     "Logprob",
     "ModelRunner",
     "PoolingParams",
@@ -21,6 +29,8 @@ __all__ = [
     "RequestOutputKind",
     "RunnerOutput",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
 ]
 
 __version__ = "0.1.0"

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
+    "EXTRA_FAMILIES",
     "TINY_FAMILIES",
     "FakeModelRunner",
     "build_tiny_model",
@@ -32,6 +33,9 @@ __all__ = [
 ]
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "opt", "gpt2")
+#: Built by ``tiny_config`` too, to exercise attention features (softcap, alternating
+#: sliding windows) that the required families do not use.
+EXTRA_FAMILIES = ("gemma2",)
 
 
 def fake_next_token(last_token: int, position: int, vocab_size: int) -> int:
@@ -113,12 +117,16 @@ def tiny_config(family: str, vocab_size: int, **overrides: Any) -> PretrainedCon
             vocab_size=vocab_size, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
             **special),
+        "gemma2": lambda: transformers.Gemma2Config(
+            **decoder, head_dim=16, sliding_window=24, attn_logit_softcapping=20.0,
+            final_logit_softcapping=30.0),
         "gpt2": lambda: transformers.GPT2Config(
             vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=512,
             **special),
     }
     if family not in configs:
-        raise ValueError(f"family: expected one of {TINY_FAMILIES}, got {family!r}")
+        raise ValueError(f"family: expected one of {TINY_FAMILIES + EXTRA_FAMILIES}, "
+                         f"got {family!r}")
     config = configs[family]()
     for name, value in overrides.items():
         setattr(config, name, value)

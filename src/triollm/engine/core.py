@@ -125,8 +125,15 @@ class EngineCore:
             self._forget(parent)
         return outputs
 
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """vLLM's name: abort one request id or several (see ``abort_requests``)."""
+        return self.abort_requests([request_id] if isinstance(request_id, str) else request_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._parents)
 
     @property
     def num_unfinished_requests(self) -> int:

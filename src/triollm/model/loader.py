@@ -4,6 +4,7 @@ transformers' ``from_pretrained``, or the built-in demo model built in-process."
 from __future__ import annotations
 
 import functools
+import logging
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,8 @@ __all__ = [
     "load_tokenizer",
     "train_byte_level_bpe",
 ]
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_FAMILIES = ("Llama", "Qwen2", "Qwen3", "Mistral", "OPT", "GPT-2")
 
@@ -92,6 +95,8 @@ def load_model(
     if model_class is not None:
         check_supported(model_class)
     if model == DEMO_MODEL_NAME:
+        logger.warning("%s is a built-in demo with random weights: it writes noise. Pass "
+                       "--model / model= to serve a real model.", DEMO_MODEL_NAME)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             loaded = AutoModelForCausalLM.from_config(hf_config, **kwargs)

@@ -48,6 +48,9 @@ def sample(
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
             noise[j].exponential_(generator=rows[i].generator or generator)
+        # A zero draw would make 0 / 0 = NaN for a filtered-out token, and argmax
+        # treats NaN as the largest value.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         tokens[index] = torch.argmax(probs / noise, dim=-1)
 
     token_list = tokens.tolist()

@@ -1,0 +1,491 @@
+"""The async engine: structured concurrency around the synchronous ``EngineCore``.
+
+* Lifetime: ``async with AsyncLLMEngine.from_engine_args(args) as engine:`` or, in a
+  task group you own, ``await task_group.start(engine.run)``. ``run`` owns the model
+  thread and the step loop; nothing starts implicitly and nothing outlives it.
+* The step loop sleeps on an event while there is no work. Scheduling and output
+  processing run on the event loop; the model step runs in the model thread.
+* Each request has its own bounded memory object stream. When its consumer lags, the
+  newest outputs are merged into one pending output behind the stream (DELTA outputs
+  concatenate; CUMULATIVE and FINAL_ONLY outputs supersede), so the loop never blocks
+  on a consumer and memory per request stays bounded.
+* Aborts (``abort()``, a consumer that leaves) take effect in the core at once: the
+  request is never scheduled again and its blocks are free before the next step.
+* If a step raises, every stream gets ``EngineDeadError`` (cause attached) before
+  ``run`` re-raises the original exception. On shutdown, open streams get
+  ``EngineClosedError``. See docs/concurrency.md for the full contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+
+from triollm.engine.core import EngineCore
+from triollm.engine.worker import ModelWorker, open_model_worker
+from triollm.errors import EngineClosedError, EngineDeadError
+from triollm.outputs import CompletionOutput, RequestOutput
+from triollm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from triollm.config import AsyncEngineArgs, EngineConfig, ModelConfig, SchedulerConfig
+    from triollm.model.runner import ModelRunner
+
+__all__ = ["AsyncLLMEngine", "EngineStatistics"]
+
+logger = logging.getLogger(__name__)
+
+RunnerFactory = Callable[[], "ModelRunner"]
+_DEFAULT_STREAM_BUFFER = 8
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    """A snapshot of the engine (trio's ``statistics()`` convention)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_open_streams: int
+    num_preemptions: int
+    num_steps: int
+
+
+def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Fold two DELTA outputs of one request into one, completions matched by index."""
+    merged: dict[int, CompletionOutput] = {c.index: c for c in older.outputs}
+    for new in newer.outputs:
+        old = merged.get(new.index)
+        if old is None:
+            merged[new.index] = new
+            continue
+        logprobs = None
+        if old.logprobs is not None or new.logprobs is not None:
+            logprobs = (old.logprobs or []) + (new.logprobs or [])
+        merged[new.index] = CompletionOutput(
+            index=new.index,
+            text=old.text + new.text,
+            token_ids=old.token_ids + new.token_ids,
+            cumulative_logprob=new.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=new.finish_reason,
+            stop_reason=new.stop_reason,
+        )
+    return RequestOutput(
+        request_id=newer.request_id,
+        prompt=newer.prompt,
+        prompt_token_ids=newer.prompt_token_ids,
+        prompt_logprobs=older.prompt_logprobs or newer.prompt_logprobs,
+        outputs=[merged[i] for i in sorted(merged)],
+        finished=newer.finished,
+        metrics=newer.metrics,
+    )
+
+
+def _sole_exception(error: BaseException) -> BaseException:
+    """The one exception inside nested single-exception groups (task groups wrap)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+class _RequestChannel:
+    """One request's path from the step loop to its consumer."""
+
+    def __init__(self, request_id: str, output_kind: RequestOutputKind, buffer_size: int) -> None:
+        self.request_id = request_id
+        self.output_kind = output_kind
+        self.send, self.receive = anyio.create_memory_object_stream[RequestOutput](buffer_size)
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.closed = False
+
+    def put(self, output: RequestOutput) -> None:
+        """Deliver without blocking: behind a full buffer, merge into ``pending``."""
+        if self.closed:
+            return
+        if self.pending is not None:
+            self.pending = (_merge(self.pending, output)
+                            if self.output_kind is RequestOutputKind.DELTA else output)
+        else:
+            try:
+                self.send.send_nowait(output)
+            except anyio.WouldBlock:
+                self.pending = output
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the consumer has gone; its request is aborted by generate()
+        if output.finished:
+            self.close()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.closed:
+            self.error = error
+            self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.send.close()
+
+    async def get(self) -> RequestOutput:
+        """The next output; ``StopAsyncIteration`` at the end, or the stream's error."""
+        try:
+            return self.receive.receive_nowait()
+        except anyio.WouldBlock:
+            if self.pending is not None:
+                return self._take_pending()
+            try:
+                return await self.receive.receive()
+            except anyio.EndOfStream:
+                pass
+        except anyio.EndOfStream:
+            pass
+        if self.pending is not None:
+            return self._take_pending()
+        if self.error is not None:
+            raise self.error
+        raise StopAsyncIteration
+
+    def _take_pending(self) -> RequestOutput:
+        output = self.pending
+        if output is None:
+            raise RuntimeError("no pending output")
+        self.pending = None
+        return output
+
+
+class AsyncLLMEngine:
+    """vLLM's ``AsyncLLMEngine`` API on anyio (trio or asyncio).
+
+    ::
+
+        async with AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=...)) as engine:
+            async for output in engine.generate("Hello", SamplingParams(), "req-1"):
+                print(output.outputs[0].text)
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        runner_factory: RunnerFactory,
+        *,
+        log_requests: bool = True,
+        max_log_len: int | None = None,
+        stream_buffer_size: int = _DEFAULT_STREAM_BUFFER,
+    ) -> None:
+        if stream_buffer_size < 1:
+            raise ValueError("stream_buffer_size: must be >= 1")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
+        self._runner_factory = runner_factory
+        self._stream_buffer_size = stream_buffer_size
+        self._core: EngineCore | None = None
+        self._worker: ModelWorker | None = None
+        self._channels: dict[str, _RequestChannel] = {}
+        self._work_available: anyio.Event | None = None
+        self._dead_error: EngineDeadError | None = None
+        self._started = False
+        self._running = False
+        self._num_steps = 0
+        self._task_group: anyio.abc.TaskGroup | None = None
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: AsyncEngineArgs, *, runner_factory: RunnerFactory | None = None,
+        stream_buffer_size: int = _DEFAULT_STREAM_BUFFER,
+    ) -> AsyncLLMEngine:
+        """Validate the arguments and load the tokenizer; the model loads in ``run``."""
+        from triollm.model.loader import load_tokenizer
+
+        config = engine_args.create_engine_config()
+        tokenizer = load_tokenizer(config.model.tokenizer,
+                                   trust_remote_code=config.model.trust_remote_code)
+        if runner_factory is None:
+            def runner_factory() -> ModelRunner:
+                from triollm.model.torch_runner import TorchModelRunner
+
+                return TorchModelRunner(config)
+
+        return cls(config, tokenizer, runner_factory,
+                   log_requests=not getattr(engine_args, "disable_log_requests", False),
+                   max_log_len=getattr(engine_args, "max_log_len", None),
+                   stream_buffer_size=stream_buffer_size)
+
+    # -- lifetime ------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncLLMEngine:
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        try:
+            await task_group.start(self.run)
+        except BaseException:
+            await task_group.__aexit__(*sys.exc_info())
+            raise
+        self._task_group = task_group
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> bool | None:
+        task_group, self._task_group = self._task_group, None
+        if task_group is None:
+            return None
+        task_group.cancel_scope.cancel()
+        try:
+            return await task_group.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            # The engine's own failure is the one exception worth surfacing as itself.
+            sole = _sole_exception(group)
+            if sole is group:
+                raise
+            raise sole from sole.__cause__
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Load the model in the model thread, size the KV cache, report started, then
+        run the step loop until cancelled (or until a step fails, which re-raises)."""
+        if self._started:
+            raise RuntimeError("this engine has already been started; make a new one")
+        self._started = True
+        try:
+            await self._run(task_status)
+        except BaseExceptionGroup as group:
+            sole = _sole_exception(group)
+            if sole is group:
+                raise
+            raise sole from sole.__cause__
+
+    async def _run(self, task_status: anyio.abc.TaskStatus[None]) -> None:
+        async with open_model_worker() as worker:
+            self._worker = worker
+            runner: ModelRunner | None = None
+            try:
+                runner = await worker.run_sync(self._runner_factory)
+                self._core = EngineCore(self.config, runner, self.tokenizer)
+                self._running = True
+                task_status.started()
+                await self._step_loop(self._core, runner, worker)
+            except BaseException as error:
+                if isinstance(error, anyio.get_cancelled_exc_class()):
+                    self._fail_all(EngineClosedError("the engine shut down before this "
+                                                     "request finished"))
+                else:
+                    dead = EngineDeadError(f"the engine's step failed: {error!r}")
+                    dead.__cause__ = error
+                    self._dead_error = dead
+                    self._fail_all(dead)
+                    logger.error("engine step failed; failing every request", exc_info=error)
+                raise
+            finally:
+                self._running = False
+                if self._core is not None:
+                    self._core.abort_requests(self._core.unfinished_request_ids())
+                if runner is not None:
+                    await worker.run_sync(runner.shutdown)
+
+    async def _step_loop(self, core: EngineCore, runner: ModelRunner,
+                         worker: ModelWorker) -> None:
+        while True:
+            scheduler_output = core.schedule()
+            if scheduler_output.is_empty:
+                if core.has_unfinished_requests():
+                    raise RuntimeError("the scheduler can make no progress")
+                if scheduler_output.finished_request_ids:  # let the runner drop their state
+                    await worker.run_sync(runner.execute_model, scheduler_output)
+                await self._wait_for_work(core)
+                continue
+            runner_output = await worker.run_sync(runner.execute_model, scheduler_output)
+            self._num_steps += 1
+            for output in core.process(scheduler_output, runner_output):
+                self._deliver(output)
+            await anyio.lowlevel.checkpoint()
+
+    async def _wait_for_work(self, core: EngineCore) -> None:
+        while not core.has_unfinished_requests():
+            self._work_available = anyio.Event()
+            await self._work_available.wait()
+
+    def _wake(self) -> None:
+        if self._work_available is not None:
+            self._work_available.set()
+
+    def _deliver(self, output: RequestOutput) -> None:
+        channel = self._channels.get(output.request_id)
+        if channel is None:
+            return
+        channel.put(output)
+        if output.finished:
+            del self._channels[output.request_id]
+            if self.log_requests:
+                reasons = [c.finish_reason for c in output.outputs]
+                logger.info("Finished request %s (%s).", output.request_id, reasons)
+
+    def _fail_all(self, error: BaseException) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            channel.fail(error)
+
+    # -- requests ------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the outputs of one request.
+
+        The stream ends after the output with ``finished=True``. Leaving the loop early
+        (break, cancellation) aborts the request; close the generator promptly with
+        ``contextlib.aclosing`` when breaking out. Raises ``ValueError`` for bad input,
+        ``EngineDeadError`` if the engine died and ``EngineClosedError`` if it shut down.
+        """
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported yet")
+        channel = self._add_request(prompt, sampling_params, request_id, priority)
+        finished = False
+        try:
+            while True:
+                try:
+                    output = await channel.get()
+                except StopAsyncIteration:
+                    finished = True
+                    return
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            channel.receive.close()
+            if not finished:
+                self._abort_now(request_id, channel)
+
+    def _add_request(self, prompt: Any, params: SamplingParams, request_id: str,
+                     priority: int) -> _RequestChannel:
+        if self._dead_error is not None:
+            raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
+        core = self._core
+        if not self._running or core is None:
+            raise EngineClosedError("the engine is not running: use `async with engine` or "
+                                    "`await task_group.start(engine.run)`")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id: must be a string, got {request_id!r}")
+        if request_id in self._channels:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        core.add_request(request_id, prompt, params, priority=priority)
+        channel = _RequestChannel(request_id, params.output_kind, self._stream_buffer_size)
+        self._channels[request_id] = channel
+        if self.log_requests:
+            self._log_request(request_id, prompt, params)
+        self._wake()
+        return channel
+
+    def _log_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        shown = prompt
+        if self.max_log_len is not None and isinstance(prompt, str | list):
+            shown = prompt[: self.max_log_len]
+        logger.info("Received request %s: prompt: %r, params: %s.", request_id, shown, params)
+
+    def _abort_now(self, request_id: str, channel: _RequestChannel | None = None) -> None:
+        core = self._core
+        outputs = core.abort_requests([request_id]) if core is not None else []
+        current = self._channels.get(request_id)
+        if current is not None and (channel is None or current is channel):
+            del self._channels[request_id]
+            for output in outputs:
+                current.put(output)
+            current.close()
+        if outputs and self.log_requests:
+            logger.info("Aborted request %s.", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: its stream ends with a final output whose finish_reason is
+        ``"abort"``. A no-op for a finished or unknown id."""
+        if self._dead_error is not None:
+            raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
+        self._abort_now(request_id)
+        await anyio.lowlevel.checkpoint()
+
+    async def encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str,
+                     **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+        """Embeddings are not served yet."""
+        raise NotImplementedError("embeddings (encode) are not supported yet")
+        yield  # pragma: no cover  (makes this an async generator, like generate)
+
+    # -- health and introspection ----------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if a step failed, ``EngineClosedError`` if the
+        engine is not running."""
+        if self._dead_error is not None:
+            raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
+        if not self._running:
+            raise EngineClosedError("the engine is not running")
+        await anyio.lowlevel.checkpoint()
+
+    def statistics(self) -> EngineStatistics:
+        core = self._core
+        if core is None:
+            total = 0
+            return EngineStatistics(0, 0, total, total, len(self._channels), 0, self._num_steps)
+        stats = core.statistics()
+        return EngineStatistics(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            num_open_streams=len(self._channels),
+            num_preemptions=stats.num_preemptions,
+            num_steps=self._num_steps,
+        )
+
+    @property
+    def worker_thread_id(self) -> int | None:
+        return self._worker.thread_id if self._worker is not None else None
+
+    async def get_model_config(self) -> ModelConfig:
+        return self.config.model
+
+    async def get_scheduler_config(self) -> SchedulerConfig:
+        return self.config.scheduler
+
+    async def get_tokenizer(self, lora_request: Any = None) -> Any:
+        return self.tokenizer
+
+    async def do_log_stats(self, *args: Any, **kwargs: Any) -> None:
+        stats = self.statistics()
+        used = stats.num_total_blocks - stats.num_free_blocks
+        usage = used / stats.num_total_blocks if stats.num_total_blocks else 0.0
+        logger.info("Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, steps: %d",
+                    stats.num_running, stats.num_waiting, 100 * usage, stats.num_steps)
+        await anyio.lowlevel.checkpoint()
+
+    def __repr__(self) -> str:
+        state = "dead" if self.errored else "running" if self._running else "stopped"
+        return f"<AsyncLLMEngine {self.config.model.model!r} {state}>"
+

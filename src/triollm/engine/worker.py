@@ -1,0 +1,87 @@
+"""The model thread: one OS thread that runs every call into the model runner.
+
+torch and CUDA keep per-thread state, so the runner is built, stepped and shut down in
+this one thread (``to_thread.run_sync`` would use any thread of a pool). The event loop
+hands it a job and waits for the result without blocking; the thread reports back
+through an anyio ``BlockingPortal`` opened in the loop. A wait for a job in progress is
+shielded from cancellation: the loop never leaves while the thread still computes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+__all__ = ["ModelWorker", "open_model_worker"]
+
+T = TypeVar("T")
+_STOP = object()
+
+
+class ModelWorker:
+    """Runs callables in a dedicated thread, one at a time, in submission order."""
+
+    def __init__(self, portal: BlockingPortal, name: str = "triollm-model") -> None:
+        self._portal = portal
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def thread_id(self) -> int | None:
+        return self._thread.ident
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def run_sync(self, function: Callable[..., T], *args: Any) -> T:
+        """Run ``function(*args)`` in the model thread and return its result (or raise
+        its exception). Cancellation waits for the call to finish first."""
+        done = anyio.Event()
+        outcome: dict[str, Any] = {}  # "value" or "error", written by the model thread
+
+        def job() -> None:
+            try:
+                outcome["value"] = function(*args)
+            except BaseException as error:  # handed to the waiting task
+                outcome["error"] = error
+            finally:
+                self._portal.call(done.set)
+
+        self._jobs.put(job)
+        with anyio.CancelScope(shield=True):
+            await done.wait()
+        if "error" in outcome:
+            raise outcome["error"]
+        value: T = outcome["value"]
+        return value
+
+    def _main(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            job()
+
+    async def aclose(self) -> None:
+        """Stop the thread once the jobs already queued have run, and join it."""
+        self._jobs.put(_STOP)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._thread.join)
+
+
+@asynccontextmanager
+async def open_model_worker(name: str = "triollm-model") -> AsyncIterator[ModelWorker]:
+    """A model thread that lives exactly as long as the ``async with`` block."""
+    async with BlockingPortal() as portal:
+        worker = ModelWorker(portal, name)
+        try:
+            yield worker
+        finally:
+            await worker.aclose()

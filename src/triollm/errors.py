@@ -1,0 +1,33 @@
+"""The exceptions triollm raises.
+
+```
+Exception
+├── ValueError
+│   ├── (bad arguments, prompts and sampling parameters: the message names the field)
+│   └── UnsupportedModelError      the architecture bypasses transformers' attention interface
+└── RuntimeError
+    └── EngineError                base of the async engine's errors
+        ├── EngineDeadError        a step failed; __cause__ is the original exception
+        └── EngineClosedError      the engine shut down before the request finished
+```
+"""
+
+from __future__ import annotations
+
+from triollm.model.loader import UnsupportedModelError
+
+__all__ = ["EngineClosedError", "EngineDeadError", "EngineError", "UnsupportedModelError"]
+
+
+class EngineError(RuntimeError):
+    """Base class of the async engine's errors."""
+
+
+class EngineDeadError(EngineError):
+    """The engine's step loop failed. Every request in flight, and every later call,
+    gets this error; ``__cause__`` holds the exception the step raised."""
+
+
+class EngineClosedError(EngineError):
+    """The engine shut down (its block was left or its scope cancelled) before this
+    request finished, or a request was made to an engine that is not running."""

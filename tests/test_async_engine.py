@@ -1,0 +1,316 @@
+"""The async engine's contract (docs/concurrency.md), on trio and asyncio."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+import pytest
+
+from triollm import (
+    AsyncEngineArgs,
+    AsyncLLMEngine,
+    EngineClosedError,
+    EngineDeadError,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
+from triollm.model.loader import build_demo_tokenizer
+from triollm.testing import FakeModelRunner, fake_next_token
+
+pytestmark = pytest.mark.anyio
+
+VOCAB = 1000
+
+
+def make_engine(runner: FakeModelRunner | None = None, **kwargs: Any) -> tuple[
+        AsyncLLMEngine, FakeModelRunner]:
+    runner = runner or FakeModelRunner(num_kv_blocks=256, vocab_size=VOCAB)
+    args = AsyncEngineArgs(max_model_len=128, max_num_batched_tokens=64, block_size=4,
+                           disable_log_requests=True, **kwargs)
+    return AsyncLLMEngine.from_engine_args(args, runner_factory=lambda: runner), runner
+
+
+def params(max_tokens: int = 8, kind: RequestOutputKind = RequestOutputKind.DELTA,
+           **kwargs: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                          output_kind=kind, **kwargs)
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(fake_next_token(tokens[-1], len(tokens) - 1, VOCAB))
+    return tokens[len(prompt):]
+
+
+def assert_idle(engine: AsyncLLMEngine) -> None:
+    stats = engine.statistics()
+    assert (stats.num_running, stats.num_waiting, stats.num_open_streams) == (0, 0, 0)
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+async def collect(engine: AsyncLLMEngine, prompt: list[int], request_id: str,
+                  sampling: SamplingParams) -> list[RequestOutput]:
+    return [o async for o in engine.generate({"prompt_token_ids": prompt}, sampling, request_id)]
+
+
+async def test_delta_outputs_arrive_in_order_and_concatenate() -> None:
+    engine, _ = make_engine()
+    async with engine:
+        outputs = await collect(engine, [5, 6, 7], "a", params(10))
+    tokens = [t for o in outputs for t in o.outputs[0].token_ids]
+    assert tokens == expected([5, 6, 7], 10)
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert outputs[-1].outputs[0].finish_reason == "length"
+
+
+async def test_cumulative_outputs_extend_each_other() -> None:
+    engine, _ = make_engine()
+    async with engine:
+        outputs = await collect(engine, [9, 9], "a", params(6, RequestOutputKind.CUMULATIVE))
+    for before, after in itertools.pairwise(outputs):
+        old, new = before.outputs[0].token_ids, after.outputs[0].token_ids
+        assert new[: len(old)] == old and len(new) > len(old)
+    assert outputs[-1].outputs[0].token_ids == expected([9, 9], 6)
+
+
+async def test_model_runs_in_one_dedicated_thread() -> None:
+    engine, runner = make_engine()
+    async with engine, anyio.create_task_group() as tg:
+        for i in range(5):
+            tg.start_soon(collect, engine, [i + 3] * 4, str(i), params(6))
+    assert len(runner.thread_ids) == 1
+    assert threading.get_ident() not in runner.thread_ids
+    assert runner.shut_down
+
+
+async def test_abort_ends_the_stream_with_an_abort_output_and_frees_blocks() -> None:
+    engine, _ = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.002))
+    async with engine:
+        seen: list[RequestOutput] = []
+        async for output in engine.generate({"prompt_token_ids": [4] * 9}, params(100), "x"):
+            seen.append(output)
+            if len(seen) == 3:
+                await engine.abort("x")
+        assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+        await engine.abort("x")  # finished: a no-op
+        await engine.abort("never-existed")
+        assert_idle(engine)
+
+
+async def test_breaking_out_of_the_loop_aborts_the_request() -> None:
+    engine, runner = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.002))
+    async with engine:
+        async with aclosing(engine.generate({"prompt_token_ids": [3] * 5}, params(100),
+                                            "b")) as stream:
+            async for _ in stream:
+                break
+        assert_idle(engine)
+        computed_at_abort = len(runner.computed)
+        await collect(engine, [7] * 3, "other", params(5))
+        # At most the step already in flight when it was aborted still held it.
+        later = runner.computed[computed_at_abort + 1:]
+        assert later and all(item.request_id != "b" for out in later
+                             for item in out.scheduled)
+
+
+async def test_cancelling_the_consumer_aborts_the_request() -> None:
+    engine, _ = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.002))
+    async with engine:
+        with anyio.move_on_after(0.02):
+            await collect(engine, [3] * 5, "c", params(10_000))
+        assert_idle(engine)
+
+
+async def test_duplicate_request_id_is_refused_and_the_first_is_undisturbed() -> None:
+    engine, _ = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.001))
+    async with engine:
+        first = engine.generate({"prompt_token_ids": [5, 5]}, params(6), "dup")
+        got = [await first.__anext__()]
+        with pytest.raises(ValueError, match="request_id"):
+            await collect(engine, [7], "dup", params(2))
+        got += [o async for o in first]
+        assert [t for o in got for t in o.outputs[0].token_ids] == expected([5, 5], 6)
+
+
+async def test_bad_input_raises_value_error_and_the_engine_keeps_serving() -> None:
+    engine, _ = make_engine()
+    async with engine:
+        with pytest.raises(ValueError, match="prompt"):
+            await collect(engine, [], "empty", params(2))
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            await collect(engine, [10**9], "huge", params(2))
+        assert (await collect(engine, [5], "ok", params(2)))[-1].finished
+        assert_idle(engine)
+
+
+async def test_step_failure_fails_every_stream_then_leaves_the_task_group() -> None:
+    runner = FakeModelRunner(256, VOCAB, fail_at_step=4, step_delay=0.001)
+    engine, _ = make_engine(runner=runner)
+    errors: dict[str, BaseException] = {}
+
+    async def consume(request_id: str) -> None:
+        try:
+            await collect(engine, [11, 12], request_id, params(50))
+        except EngineDeadError as error:
+            errors[request_id] = error
+
+    with pytest.raises(BaseExceptionGroup) as raised:
+        async with anyio.create_task_group() as outer:
+            await outer.start(engine.run)
+            async with anyio.create_task_group() as consumers:
+                for i in range(4):
+                    consumers.start_soon(consume, str(i))
+    # The caller's task group holds exactly the step's own exception, not a wrapper.
+    (original,) = raised.value.exceptions
+    assert type(original) is RuntimeError and "fake model failure" in str(original)
+    assert sorted(errors) == ["0", "1", "2", "3"]
+    assert all(isinstance(e.__cause__, RuntimeError) for e in errors.values())
+    assert engine.errored and isinstance(engine.dead_error, EngineDeadError)
+    with pytest.raises(EngineDeadError):
+        await collect(engine, [1], "late", params(2))
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+
+
+async def test_async_with_surfaces_the_original_exception() -> None:
+    engine, _ = make_engine(runner=FakeModelRunner(256, VOCAB, fail_at_step=0))
+    with pytest.raises(RuntimeError, match="fake model failure"):
+        async with engine:
+            with pytest.raises(EngineDeadError):
+                await collect(engine, [1, 2], "a", params(3))
+            await anyio.sleep_forever()
+
+
+async def test_shutdown_ends_open_streams_with_engine_closed_error() -> None:
+    engine, runner = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.002))
+    results: list[BaseException] = []
+
+    async def consume() -> None:
+        try:
+            await collect(engine, [2, 3], "s", params(10_000))
+        except EngineClosedError as error:
+            results.append(error)
+
+    async with anyio.create_task_group() as consumers:
+        async with engine:
+            consumers.start_soon(consume)
+            await anyio.sleep(0.02)
+    assert len(results) == 1
+    assert runner.shut_down and not engine.is_running
+    with pytest.raises(EngineClosedError):
+        await collect(engine, [1], "after", params(2))
+
+
+async def test_a_slow_consumer_slows_nobody_and_its_deltas_are_merged() -> None:
+    engine, _runner = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.001))
+    fast_done = anyio.Event()
+    slow_outputs: list[RequestOutput] = []
+
+    async def fast() -> None:
+        await collect(engine, [8, 8], "fast", params(60))
+        fast_done.set()
+
+    async def slow() -> None:
+        async for output in engine.generate({"prompt_token_ids": [9, 9]}, params(60), "slow"):
+            slow_outputs.append(output)
+            if not fast_done.is_set():
+                await fast_done.wait()
+
+    async with engine, anyio.create_task_group() as tg:
+        tg.start_soon(slow)
+        tg.start_soon(fast)
+    tokens = [t for o in slow_outputs for t in o.outputs[0].token_ids]
+    assert tokens == expected([9, 9], 60)
+    assert len(slow_outputs) < 60, "lagging deltas are merged, not queued one per step"
+
+
+async def test_idle_engine_waits_without_stepping() -> None:
+    engine, runner = make_engine()
+    async with engine:
+        await anyio.sleep(0.05)
+        assert runner.num_steps == 0 and engine.statistics().num_steps == 0
+        await collect(engine, [4], "wake", params(2))
+        assert runner.num_steps >= 2
+
+
+async def test_run_in_a_task_group_the_caller_owns() -> None:
+    engine, runner = make_engine()
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        assert engine.is_running
+        await engine.check_health()
+        assert (await collect(engine, [5, 6], "own", params(3)))[-1].finished
+        tg.cancel_scope.cancel()
+    assert not engine.is_running and runner.shut_down
+    with pytest.raises(RuntimeError, match="already been started"):
+        await engine.run()
+
+
+async def test_event_loop_stays_responsive_while_the_model_computes() -> None:
+    engine, _ = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.2))
+    lateness: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            start = time.perf_counter()
+            await anyio.sleep(0.001)
+            lateness.append(time.perf_counter() - start - 0.001)
+
+    async with engine, anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await collect(engine, [3], "long", params(2))
+        tg.cancel_scope.cancel()
+    assert len(lateness) > 100
+    # A blocked loop would make a tick at least one 200 ms step late.
+    assert max(lateness) < 0.1
+
+
+async def test_statistics_report_running_waiting_and_blocks() -> None:
+    engine, _ = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.01),
+                            max_num_seqs=2)
+    async with engine, anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(collect, engine, [i + 2] * 8, str(i), params(20))
+        await anyio.sleep(0.03)
+        stats = engine.statistics()
+        assert stats.num_running == 2 and stats.num_waiting == 2
+        assert stats.num_free_blocks < stats.num_total_blocks
+        await engine.do_log_stats()
+    assert_idle(engine)
+
+
+async def test_real_tiny_model_streams_through_the_async_engine(llama_path: Any) -> None:
+    args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=128,
+                           num_gpu_blocks_override=64, disable_log_requests=True)
+    async with AsyncLLMEngine.from_engine_args(args) as engine:
+        texts: dict[str, str] = {}
+
+        async def run(i: int) -> None:
+            sampling = SamplingParams(temperature=0, max_tokens=12,
+                                      output_kind=RequestOutputKind.DELTA)
+            text = ""
+            async for output in engine.generate(f"Rain fell on day {i}", sampling, str(i)):
+                text += output.outputs[0].text
+            texts[str(i)] = text
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(run, i)
+        assert_idle(engine)
+    from triollm import LLM
+
+    llm = LLM(str(llama_path), dtype="float32", max_model_len=128, num_gpu_blocks_override=64)
+    offline = llm.generate([f"Rain fell on day {i}" for i in range(4)],
+                           SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert [texts[str(i)] for i in range(4)] == [o.outputs[0].text for o in offline]
+
+
+def test_demo_tokenizer_is_shared() -> None:
+    assert build_demo_tokenizer() is build_demo_tokenizer()
