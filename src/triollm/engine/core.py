@@ -119,7 +119,7 @@ class EngineCore:
             for child in parent.children:
                 if child.request_id in running:
                     child.metrics.finished_time = now
-            output = self._make_output(parent, force_full=True)
+            output = self._make_output(parent)
             if output is not None:
                 outputs.append(output)
             self._forget(parent)
@@ -231,13 +231,12 @@ class EngineCore:
                 result[token_id] = Logprob(logprob=value, rank=rank, decoded_token=text)
         return result
 
-    def _make_output(self, parent: _ParentRequest, *,
-                     force_full: bool = False) -> RequestOutput | None:
+    def _make_output(self, parent: _ParentRequest) -> RequestOutput | None:
         finished = parent.finished
         kind = parent.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        delta = kind is RequestOutputKind.DELTA and not force_full
+        delta = kind is RequestOutputKind.DELTA
         completions = [self._completion(child, delta) for child in parent.children]
         if delta:
             completions = [c for c, child in zip(completions, parent.children, strict=True)
