@@ -43,7 +43,7 @@ __all__ = ["AsyncLLMEngine", "EngineStatistics"]
 logger = logging.getLogger(__name__)
 
 RunnerFactory = Callable[[], "ModelRunner"]
-_DEFAULT_STREAM_BUFFER = 8
+_DEFAULT_STREAM_BUFFER = 1
 
 
 @dataclass(frozen=True)

@@ -194,13 +194,11 @@ class Scheduler:
 
     def update_computed_tokens(self, output: SchedulerOutput) -> None:
         """After a step ran: the scheduled tokens now have their KV in the cache."""
+        running = {r.request_id: r for r in self.running}
         for item in output.scheduled:
-            request = self._running_by_id().get(item.request_id)
+            request = running.get(item.request_id)
             if request is not None:
                 request.num_computed_tokens += item.num_tokens
-
-    def _running_by_id(self) -> dict[str, Request]:
-        return {r.request_id: r for r in self.running}
 
     def statistics(self) -> SchedulerStatistics:
         stats = self.block_manager.statistics()

@@ -2,9 +2,10 @@
 
 torch and CUDA keep per-thread state, so the runner is built, stepped and shut down in
 this one thread (``to_thread.run_sync`` would use any thread of a pool). The event loop
-hands it a job and waits for the result without blocking; the thread reports back
-through an anyio ``BlockingPortal`` opened in the loop. A wait for a job in progress is
-shielded from cancellation: the loop never leaves while the thread still computes.
+hands it a job and waits for the result without blocking; the thread wakes the waiting
+task with ``anyio.from_thread.run_sync`` and the loop's token. A wait for a job in
+progress is shielded from cancellation: the loop never leaves while the thread still
+computes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
-from anyio.from_thread import BlockingPortal
+import anyio.from_thread
+import anyio.lowlevel
 
 __all__ = ["ModelWorker", "open_model_worker"]
 
@@ -27,8 +29,9 @@ _STOP = object()
 class ModelWorker:
     """Runs callables in a dedicated thread, one at a time, in submission order."""
 
-    def __init__(self, portal: BlockingPortal, name: str = "triollm-model") -> None:
-        self._portal = portal
+    def __init__(self, name: str = "triollm-model") -> None:
+        """Start the thread; call from the event loop that will wait on its jobs."""
+        self._token = anyio.lowlevel.current_token()
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -52,7 +55,7 @@ class ModelWorker:
             except BaseException as error:  # handed to the waiting task
                 outcome["error"] = error
             finally:
-                self._portal.call(done.set)
+                anyio.from_thread.run_sync(done.set, token=self._token)
 
         self._jobs.put(job)
         with anyio.CancelScope(shield=True):
@@ -79,9 +82,8 @@ class ModelWorker:
 @asynccontextmanager
 async def open_model_worker(name: str = "triollm-model") -> AsyncIterator[ModelWorker]:
     """A model thread that lives exactly as long as the ``async with`` block."""
-    async with BlockingPortal() as portal:
-        worker = ModelWorker(portal, name)
-        try:
-            yield worker
-        finally:
-            await worker.aclose()
+    worker = ModelWorker(name)
+    try:
+        yield worker
+    finally:
+        await worker.aclose()
