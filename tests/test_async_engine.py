@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from contextlib import aclosing
 from typing import Any
 
 import anyio
 import pytest
 
+from helpers import run_ticker
 from triollm import (
     AsyncEngineArgs,
     AsyncLLMEngine,
@@ -257,14 +257,8 @@ async def test_event_loop_stays_responsive_while_the_model_computes() -> None:
     engine, _ = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.2))
     lateness: list[float] = []
 
-    async def ticker() -> None:
-        while True:
-            start = time.perf_counter()
-            await anyio.sleep(0.001)
-            lateness.append(time.perf_counter() - start - 0.001)
-
     async with engine, anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
+        tg.start_soon(run_ticker, lateness)
         await collect(engine, [3], "long", params(2))
         tg.cancel_scope.cancel()
     assert len(lateness) > 100

@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
+from helpers import run_ticker
 from triollm import AsyncEngineArgs, AsyncLLMEngine, EngineDeadError, SamplingParams
 from triollm.testing import build_tiny_model
 
@@ -90,14 +91,8 @@ async def test_the_loop_keeps_serving_during_a_long_real_model_step(
     engine = AsyncLLMEngine.from_engine_args(args)
     lateness: list[float] = []
 
-    async def ticker() -> None:
-        while True:
-            start = time.perf_counter()
-            await anyio.sleep(0.001)
-            lateness.append(time.perf_counter() - start - 0.001)
-
     async with engine, anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
+        tg.start_soon(run_ticker, lateness)
         started = time.perf_counter()
         prompt = {"prompt_token_ids": [(7 * i) % 400 + 5 for i in range(500)]}
         async for _ in engine.generate(prompt, SamplingParams(max_tokens=1), "long"):
