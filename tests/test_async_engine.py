@@ -82,10 +82,12 @@ async def test_cumulative_outputs_extend_each_other() -> None:
 
 async def test_model_runs_in_one_dedicated_thread() -> None:
     engine, runner = make_engine()
-    async with engine, anyio.create_task_group() as tg:
-        for i in range(5):
-            tg.start_soon(collect, engine, [i + 3] * 4, str(i), params(6))
-    assert len(runner.thread_ids) == 1
+    async with engine:
+        model_thread = engine.worker_thread_id
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(collect, engine, [i + 3] * 4, str(i), params(6))
+    assert runner.thread_ids == {model_thread}
     assert threading.get_ident() not in runner.thread_ids
     assert runner.shut_down
 

@@ -451,8 +451,7 @@ class AsyncLLMEngine:
     def statistics(self) -> EngineStatistics:
         core = self._core
         if core is None:
-            total = 0
-            return EngineStatistics(0, 0, total, total, len(self._channels), 0, self._num_steps)
+            return EngineStatistics(0, 0, 0, 0, len(self._channels), 0, self._num_steps)
         stats = core.statistics()
         return EngineStatistics(
             num_running=stats.num_running,

@@ -40,9 +40,6 @@ class ModelWorker:
     def thread_id(self) -> int | None:
         return self._thread.ident
 
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
     async def run_sync(self, function: Callable[..., T], *args: Any) -> T:
         """Run ``function(*args)`` in the model thread and return its result (or raise
         its exception). Cancellation waits for the call to finish first."""
