@@ -5,14 +5,18 @@ layer. For N concurrent streams it reports tokens delivered per second and loop 
 per step for:
 
 * triollm's AsyncLLMEngine on trio and on asyncio;
-* "queues": the design it replaces, written here: an asyncio loop that runs each step
-  in an executor thread (as the seed's ``run_in_executor``) and puts every output on an
-  unbounded ``asyncio.Queue`` per request, consumers awaiting ``queue.get()``.
+* "queues": the design it replaces, written here after the seed: an asyncio loop that
+  runs each step in an executor thread (``run_in_executor``) and puts every output on
+  the request's ``AsyncStream`` (an unbounded ``asyncio.Queue``), ``generate`` being an
+  async generator over that stream;
+* "queues+freeze": the same, with the start-up heap frozen for the garbage collector as
+  triollm's engine does, so the delivery paths can be compared on their own.
 
-All three drive the same ``EngineCore`` and fake runner, so only the delivery path
-differs. The "lagging" variant makes every consumer sleep after each output it reads,
-so the engine steps faster than consumers read: triollm merges DELTA outputs behind a
-full stream buffer, the queue design queues one object per step.
+All of them drive the same ``EngineCore`` and fake runner. Each runs in a fresh
+interpreter. The "lagging" variant makes every consumer sleep after each output it
+reads, by default four of the queue design's steps, so the engine steps faster than
+consumers read: triollm merges DELTA outputs behind a full stream buffer, the queue
+design queues one object per step.
 
     python benchmarks/frontend_overhead.py                  # N = 100, 1000, 10000
     python benchmarks/frontend_overhead.py --streams 100 --tokens 8
@@ -22,8 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
+import gc
+import json
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -98,13 +108,35 @@ async def run_triollm(streams: int, tokens: int, lag: float) -> Result:
     return Result(elapsed, delivered, steps, outputs)
 
 
-async def run_queues(streams: int, tokens: int, lag: float) -> Result:
-    """The asyncio design this project replaces, in miniature."""
+class _AsyncStream:
+    """The seed's per-request stream: an unbounded asyncio.Queue behind ``__anext__``."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> _AsyncStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        result = await self._queue.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+
+async def run_queues(streams: int, tokens: int, lag: float, freeze: bool = False
+                     ) -> Result:
+    """The asyncio design this project replaces, in miniature: as in the seed, the step
+    runs in an executor thread, every output goes on its request's ``AsyncStream``, and
+    ``generate`` is an async generator over that stream."""
     config = EngineArgs(**engine_args(streams, tokens)).create_engine_config()  # type: ignore[arg-type]
     runner = runner_for(streams, tokens)
     core = EngineCore(config, runner, build_demo_tokenizer())
     loop = asyncio.get_running_loop()
-    queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+    request_streams: dict[str, _AsyncStream] = {}
     new_work = asyncio.Event()
     steps = 0
 
@@ -118,27 +150,40 @@ async def run_queues(streams: int, tokens: int, lag: float) -> Result:
             result = await loop.run_in_executor(None, runner.execute_model, scheduled)
             steps += 1
             for output in core.process(scheduled, result):
-                queues[output.request_id].put_nowait(output)
+                request_streams[output.request_id].put(output)
+                if output.finished:
+                    request_streams[output.request_id].put(StopAsyncIteration())
+                    del request_streams[output.request_id]
             await asyncio.sleep(0)
+
+    async def generate(prompt: dict[str, list[int]], sampling_params: SamplingParams,
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        stream = _AsyncStream()
+        request_streams[request_id] = stream
+        core.add_request(request_id, prompt, sampling_params)
+        new_work.set()
+        try:
+            async for output in stream:
+                yield output
+        except (Exception, asyncio.CancelledError):
+            core.abort_requests([request_id])
+            raise
 
     delivered = 0
     outputs = 0
 
     async def consume(i: int) -> None:
         nonlocal delivered, outputs
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        queues[str(i)] = queue
-        core.add_request(str(i), {"prompt_token_ids": [5 + i % 800]}, params(tokens))
-        new_work.set()
-        while True:
-            output = await queue.get()
+        prompt = {"prompt_token_ids": [5 + i % 800]}
+        async for output in generate(prompt, params(tokens), str(i)):
             delivered += len(output.outputs[0].token_ids)
             outputs += 1
-            if output.finished:
-                break
             if lag:
                 await asyncio.sleep(lag)
 
+    if freeze:  # what triollm's engine does after start-up
+        gc.collect()
+        gc.freeze()
     task = asyncio.create_task(engine_loop())
     start = time.perf_counter()
     await asyncio.gather(*(consume(i) for i in range(streams)))
@@ -152,9 +197,24 @@ async def run_queues(streams: int, tokens: int, lag: float) -> Result:
     return Result(elapsed, delivered, steps, outputs)
 
 
-def measure(name: str, backend: str, function: Callable[[int, int, float], Awaitable[Result]],
-            streams: int, tokens: int, lag: float) -> Result:
-    result: Result = anyio.run(function, streams, tokens, lag, backend=backend)
+VARIANTS: dict[str, tuple[str, Callable[[int, int, float], Awaitable[Result]]]] = {
+    "queues/asyncio": ("asyncio", run_queues),
+    "queues+freeze": ("asyncio", functools.partial(run_queues, freeze=True)),
+    "triollm/asyncio": ("asyncio", run_triollm),
+    "triollm/trio": ("trio", run_triollm),
+}
+
+
+def measure(name: str, streams: int, tokens: int, lag: float, repeats: int) -> Result:
+    """The median of ``repeats`` runs, each in a fresh interpreter so that no run
+    inherits another's heap or GC state (the engine freezes the start-up heap)."""
+    command = [sys.executable, __file__, "--one", name, "--streams", str(streams),
+               "--tokens", str(tokens), "--lag", str(lag)]
+    results = []
+    for _ in range(repeats):
+        completed = subprocess.run(command, check=True, capture_output=True, text=True)
+        results.append(Result(**json.loads(completed.stdout.strip().splitlines()[-1])))
+    result = sorted(results, key=lambda r: r.seconds)[len(results) // 2]
     print(result.row(name), flush=True)
     return result
 
@@ -164,23 +224,44 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--tokens", type=int, default=16, help="tokens per request")
-    parser.add_argument("--lag", type=float, default=0.02,
-                        help="seconds each lagging consumer sleeps after every output")
+    parser.add_argument("--lag", type=float, default=None,
+                        help="seconds each lagging consumer sleeps after every output "
+                             "(default: --lag-steps times the queue design's step time)")
+    parser.add_argument("--lag-steps", type=float, default=4.0,
+                        help="lagging consumers read this many engine steps apart")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per variant (the median is reported)")
+    parser.add_argument("--one", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for lag in (0.0, args.lag):
-        title = "lagging consumers" if lag else "consumers keeping up"
-        per_read = f", {lag * 1000:.0f} ms per read" if lag else ""
-        print(f"\n{title} ({args.tokens} tokens per request{per_read})")
+    if args.one:
+        backend, function = VARIANTS[args.one]
+        result = anyio.run(function, args.streams[0], args.tokens, args.lag or 0.0,
+                           backend=backend)
+        print(json.dumps(dataclasses.asdict(result)))
+        return
+    step_seconds: dict[int, float] = {}
+    for lagging in (False, True):
+        title = "lagging consumers" if lagging else "consumers keeping up"
+        print(f"\n{title} ({args.tokens} tokens per request)")
         for streams in args.streams:
-            print(f" N = {streams}")
-            queues = measure("queues/asyncio", "asyncio", run_queues, streams, args.tokens, lag)
+            lag = 0.0
+            if lagging:
+                lag = args.lag if args.lag is not None else (
+                    args.lag_steps * step_seconds[streams])
+                print(f" N = {streams}, {lag * 1000:.1f} ms per read")
+            else:
+                print(f" N = {streams}")
+            queues = measure("queues/asyncio", streams, args.tokens, lag, args.repeats)
+            frozen = measure("queues+freeze", streams, args.tokens, lag, args.repeats)
+            if not lagging:
+                step_seconds[streams] = queues.seconds / max(queues.steps, 1)
             ratios = []
             for backend in ("asyncio", "trio"):
-                ours = measure(f"triollm/{backend}", backend, run_triollm, streams,
-                               args.tokens, lag)
-                ratios.append(f"{backend} {queues.seconds / ours.seconds:.2f}x")
+                ours = measure(f"triollm/{backend}", streams, args.tokens, lag,
+                               args.repeats)
+                ratios.append(f"{backend} {queues.seconds / ours.seconds:.2f}x "
+                              f"({frozen.seconds / ours.seconds:.2f}x vs queues+freeze)")
             print(f"  triollm vs queues: {', '.join(ratios)}")
-
 
 if __name__ == "__main__":
     main()

@@ -1,23 +1,34 @@
 """Generated scenarios against the async engine's contract (docs/concurrency.md).
 
-Each example starts an engine over the fake runner, runs a generated set of requests
-whose consumers finish normally, call ``abort()``, break out, have their scope
-cancelled, or read slowly, at generated points, with an optional step failure; then
-checks how every stream ended, the order and content of what it delivered, that
-nothing was computed for a request after the step in flight when it left, and that
-nothing is left over. Runs on trio and asyncio.
+Each example starts an engine, runs a generated set of requests whose consumers finish
+normally, call ``abort()``, break out, have their scope cancelled, or read slowly, with
+an optional step failure; then checks how every stream ended, the order and content of
+what it delivered, that nothing was computed for a request after the step in flight
+when it left, and that nothing is left over.
+
+* Interleavings by checkpoints, over the fake runner, on trio and asyncio.
+* Timed scenarios (arrival times, aborts and cancellations at generated times, slow
+  readers) over the fake runner: the bulk on trio with ``MockClock(autojump_threshold=0)``
+  (virtual time, so hundreds of examples take seconds), a smaller run on asyncio in
+  real time.
+* A smaller timed run against a real tiny transformers model, on both backends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
-from hypothesis import given, note, settings
+from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
+from trio.testing import MockClock
 
 from triollm import (
     AsyncEngineArgs,
@@ -27,6 +38,8 @@ from triollm import (
     RequestOutputKind,
     SamplingParams,
 )
+from triollm.engine.scheduler import SchedulerOutput
+from triollm.model.runner import RunnerOutput
 from triollm.testing import FakeModelRunner, fake_next_token
 
 VOCAB = 900  # below the demo config vocabulary (prompts are validated against it)
@@ -48,6 +61,7 @@ class Outcome:
     outputs: list[RequestOutput] = field(default_factory=list)
     error: BaseException | None = None
     left_at_step: int | None = None  # len(runner.computed) when the consumer left
+    started: bool = False
 
 
 scenarios = st.builds(
@@ -106,6 +120,52 @@ async def consume(engine: AsyncLLMEngine, runner: FakeModelRunner, request_id: s
         outcome.error = error
 
 
+def check_outcomes(requests: Sequence[Scenario | TimedScenario], outcomes: list[Outcome],
+                   computed: list[SchedulerOutput], engine: AsyncLLMEngine,
+                   engine_error: BaseException | None, fail_at_step: int | None,
+                   right_answer: Callable[[Any], list[int]]) -> None:
+    """The contract, checked for every request of one example."""
+    died = engine_error is not None
+    assert died == engine.errored
+    if died:
+        assert fail_at_step is not None and "fake model failure" in str(engine_error)
+    for i, (scenario, outcome) in enumerate(zip(requests, outcomes, strict=True)):
+        note(f"{i}: {scenario} -> {len(outcome.outputs)} outputs, error={outcome.error!r}")
+        tokens = delivered_tokens(outcome, scenario.kind)
+        full = right_answer(scenario)
+        # Order and content: whatever arrived is a prefix of the right answer, in order.
+        assert tokens == full[: len(tokens)]
+        if scenario.kind is RequestOutputKind.CUMULATIVE:
+            lengths = [len(o.outputs[0].token_ids) for o in outcome.outputs]
+            assert lengths == sorted(lengths)
+        finals = [o for o in outcome.outputs if o.finished]
+        assert len(finals) <= 1 and (not finals or finals[0] is outcome.outputs[-1])
+        # Exactly one ending.
+        event("ending: " + ("engine died" if outcome.error is not None else
+                            finals[0].outputs[0].finish_reason or "" if finals else
+                            "consumer left" + (" before any output" if not outcome.outputs
+                                               else "")))
+        if outcome.error is not None:
+            assert died and not finals
+            assert isinstance(outcome.error.__cause__, RuntimeError)
+        elif finals:
+            reason = finals[0].outputs[0].finish_reason
+            if reason == "abort":
+                assert scenario.action == "abort"
+            else:
+                assert reason == "length" and tokens == full
+        else:
+            assert scenario.action in ("break", "cancel") or died
+        # Nothing computed for a request after the step in flight when it left.
+        if outcome.left_at_step is not None:
+            later = computed[outcome.left_at_step + 1:]
+            assert all(item.request_id != str(i) for out in later for item in out.scheduled)
+    if not died:
+        stats = engine.statistics()
+        assert (stats.num_running, stats.num_waiting, stats.num_open_streams) == (0, 0, 0)
+        assert stats.num_free_blocks == stats.num_total_blocks
+
+
 async def run_scenarios(requests: list[Scenario], fail_at_step: int | None) -> None:
     runner = FakeModelRunner(num_kv_blocks=128, vocab_size=VOCAB, fail_at_step=fail_at_step)
     args = AsyncEngineArgs(max_model_len=64, max_num_batched_tokens=16, block_size=4,
@@ -121,41 +181,8 @@ async def run_scenarios(requests: list[Scenario], fail_at_step: int | None) -> N
     except RuntimeError as error:
         engine_error = error
 
-    died = engine_error is not None
-    assert died == engine.errored
-    if died:
-        assert fail_at_step is not None and "fake model failure" in str(engine_error)
-    for i, (scenario, outcome) in enumerate(zip(requests, outcomes, strict=True)):
-        note(f"{i}: {scenario} -> {len(outcome.outputs)} outputs, error={outcome.error!r}")
-        tokens = delivered_tokens(outcome, scenario.kind)
-        full = expected(scenario.prompt, scenario.max_tokens)
-        # Order and content: whatever arrived is a prefix of the right answer, in order.
-        assert tokens == full[: len(tokens)]
-        if scenario.kind is RequestOutputKind.CUMULATIVE:
-            lengths = [len(o.outputs[0].token_ids) for o in outcome.outputs]
-            assert lengths == sorted(lengths)
-        finals = [o for o in outcome.outputs if o.finished]
-        assert len(finals) <= 1 and (not finals or finals[0] is outcome.outputs[-1])
-        # Exactly one ending.
-        if outcome.error is not None:
-            assert died and not finals
-            assert isinstance(outcome.error.__cause__, RuntimeError)
-        elif finals:
-            reason = finals[0].outputs[0].finish_reason
-            if reason == "abort":
-                assert scenario.action == "abort"
-            else:
-                assert reason == "length" and tokens == full
-        else:
-            assert scenario.action in ("break", "cancel") or died
-        # Nothing computed for a request after the step in flight when it left.
-        if outcome.left_at_step is not None and scenario.action != "slow":
-            later = runner.computed[outcome.left_at_step + 1:]
-            assert all(item.request_id != str(i) for out in later for item in out.scheduled)
-    if not died:
-        stats = engine.statistics()
-        assert (stats.num_running, stats.num_waiting, stats.num_open_streams) == (0, 0, 0)
-        assert stats.num_free_blocks == stats.num_total_blocks
+    check_outcomes(requests, outcomes, runner.computed, engine, engine_error, fail_at_step,
+                   lambda scenario: expected(scenario.prompt, scenario.max_tokens))
     assert runner.shut_down
 
 
@@ -165,8 +192,213 @@ async def run_scenarios(requests: list[Scenario], fail_at_step: int | None) -> N
        fail_at_step=st.one_of(st.none(), st.none(), st.integers(0, 25)))
 def test_every_stream_ends_exactly_one_way(backend: str, requests: list[Scenario],
                                            fail_at_step: int | None) -> None:
-    EXAMPLES[backend] += 1
+    EXAMPLES[f"checkpoints/{backend}"] += 1
     anyio.run(run_scenarios, requests, fail_at_step, backend=backend)
+
+
+# -- timed scenarios -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TimedScenario:
+    prompt: list[int]
+    max_tokens: int
+    kind: RequestOutputKind
+    arrival: float  # seconds after the start when the request is made
+    read_delay: float  # seconds the consumer takes over each output
+    action: str  # "finish", "abort", "cancel" (at a time) or "break" (after outputs)
+    action_at: float  # abort/cancel: seconds after the start; break: outputs read first
+
+
+def timed_scenarios(prompts: st.SearchStrategy[list[int]]) -> st.SearchStrategy[TimedScenario]:
+    return st.builds(
+        TimedScenario,
+        prompt=prompts,
+        max_tokens=st.integers(1, 12),
+        kind=st.sampled_from([RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE]),
+        arrival=st.sampled_from([0.0, 0.001, 0.002, 0.005, 0.01, 0.02]),
+        read_delay=st.sampled_from([0.0, 0.0, 0.001, 0.004]),
+        action=st.sampled_from(["finish", "abort", "cancel", "break"]),
+        # From before the request exists to after it has finished.
+        action_at=st.sampled_from([0.0, 0.001, 0.003, 0.006, 0.01, 0.02, 0.05, 1.0]),
+    )
+
+
+async def consume_timed(engine: AsyncLLMEngine, computed: list[SchedulerOutput],
+                        request_id: str, scenario: TimedScenario, outcome: Outcome,
+                        scope: anyio.CancelScope) -> None:
+    await anyio.sleep(scenario.arrival)
+    params = SamplingParams(max_tokens=scenario.max_tokens, ignore_eos=True, detokenize=False,
+                            output_kind=scenario.kind, temperature=0)
+    stream = engine.generate({"prompt_token_ids": scenario.prompt}, params, request_id)
+    try:
+        with scope:
+            async with aclosing(stream):
+                outcome.started = True  # the first __anext__ adds the request, unbroken
+                async for output in stream:
+                    outcome.outputs.append(output)
+                    if (scenario.action == "break" and not output.finished
+                            and len(outcome.outputs) >= scenario.action_at):
+                        outcome.left_at_step = len(computed)
+                        break
+                    await anyio.sleep(scenario.read_delay)
+        if scope.cancelled_caught:
+            outcome.left_at_step = len(computed)
+    except EngineDeadError as error:
+        outcome.error = error
+
+
+async def act_at(engine: AsyncLLMEngine, computed: list[SchedulerOutput], request_id: str,
+                 scenario: TimedScenario, outcome: Outcome, scope: anyio.CancelScope) -> None:
+    await anyio.sleep(scenario.action_at)
+    in_flight = outcome.started and not any(o.finished for o in outcome.outputs)
+    if scenario.action == "cancel":
+        scope.cancel()
+    elif scenario.action == "abort" and not engine.errored:
+        if in_flight:
+            outcome.left_at_step = len(computed)
+        await engine.abort(request_id)
+
+
+async def run_timed_scenarios(requests: list[TimedScenario], fail_at_step: int | None,
+                              make_runner: Callable[[], RecordingRunner],
+                              engine_args: AsyncEngineArgs,
+                              right_answer: Callable[[Any], list[int]]) -> None:
+    runner: RecordingRunner | None = None
+
+    def factory() -> RecordingRunner:
+        nonlocal runner
+        runner = make_runner()
+        return runner
+
+    engine = AsyncLLMEngine.from_engine_args(engine_args, runner_factory=factory,
+                                             stream_buffer_size=2)
+    outcomes = [Outcome() for _ in requests]
+    engine_error: BaseException | None = None
+    try:
+        async with engine, anyio.create_task_group() as tasks:
+            assert runner is not None
+            for i, (scenario, outcome) in enumerate(zip(requests, outcomes, strict=True)):
+                scope = anyio.CancelScope()
+                tasks.start_soon(consume_timed, engine, runner.computed, str(i), scenario,
+                                 outcome, scope)
+                if scenario.action in ("abort", "cancel"):
+                    tasks.start_soon(act_at, engine, runner.computed, str(i), scenario,
+                                     outcome, scope)
+    except RuntimeError as error:
+        engine_error = error
+    assert runner is not None and runner.shut_down
+    check_outcomes(requests, outcomes, runner.computed, engine, engine_error, fail_at_step,
+                   right_answer)
+
+
+class RecordingRunner:
+    """Wraps a runner: records every step it computed, can fail at a given step."""
+
+    def __init__(self, inner: Any, fail_at_step: int | None = None) -> None:
+        self.inner = inner
+        self.num_kv_blocks: int = inner.num_kv_blocks
+        self.fail_at_step = fail_at_step
+        self.computed: list[SchedulerOutput] = []
+        self.shut_down = False
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if len(self.computed) == self.fail_at_step:
+            raise RuntimeError(f"fake model failure at step {self.fail_at_step}")
+        result = self.inner.execute_model(scheduler_output)
+        self.computed.append(scheduler_output)
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+        self.shut_down = True
+
+
+FAKE_ARGS = AsyncEngineArgs(max_model_len=64, max_num_batched_tokens=16, block_size=4,
+                            max_num_seqs=4, disable_log_requests=True)
+
+
+def run_fake_timed(backend: str, requests: list[TimedScenario],
+                   fail_at_step: int | None) -> None:
+    def make_runner() -> RecordingRunner:
+        return RecordingRunner(FakeModelRunner(num_kv_blocks=128, vocab_size=VOCAB),
+                               fail_at_step)
+
+    options = {"clock": MockClock(autojump_threshold=0)} if backend == "trio" else {}
+    anyio.run(run_timed_scenarios, requests, fail_at_step, make_runner, FAKE_ARGS,
+              lambda scenario: expected(scenario.prompt, scenario.max_tokens),
+              backend=backend, backend_options=options)
+
+
+FAKE_PROMPTS = st.lists(st.integers(5, VOCAB - 1), min_size=1, max_size=12)
+TIMED = {"requests": st.lists(timed_scenarios(FAKE_PROMPTS), min_size=1, max_size=10),
+         "fail_at_step": st.one_of(st.none(), st.none(), st.integers(0, 12))}
+
+
+@settings(max_examples=300, deadline=None)
+@given(**TIMED)
+def test_timed_scenarios_on_trio_with_a_mock_clock(requests: list[TimedScenario],
+                                                   fail_at_step: int | None) -> None:
+    EXAMPLES["timed/trio+MockClock"] += 1
+    run_fake_timed("trio", requests, fail_at_step)
+
+
+@settings(max_examples=40, deadline=None)
+@given(**TIMED)
+def test_timed_scenarios_on_asyncio_in_real_time(requests: list[TimedScenario],
+                                                 fail_at_step: int | None) -> None:
+    EXAMPLES["timed/asyncio"] += 1
+    run_fake_timed("asyncio", requests, fail_at_step)
+
+
+# -- the same against a real tiny model ------------------------------------------------
+
+REAL_PROMPTS = [[5, 17, 29], [40, 41, 42, 43, 44, 45, 46], [300], [99, 7, 250, 11, 60],
+                [123, 124], [400, 3, 88, 19, 201, 202, 203, 204, 205]]
+REAL_MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def real_model(llama_path: Path) -> tuple[Path, dict[tuple[int, ...], list[int]]]:
+    """The tiny Llama, and each prompt's greedy continuation computed alone."""
+    from triollm import LLM
+
+    llm = LLM(model=str(llama_path), dtype="float32", max_model_len=64,
+              num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0, max_tokens=REAL_MAX_TOKENS, ignore_eos=True)
+    answers = {}
+    for prompt in REAL_PROMPTS:
+        [output] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        answers[tuple(prompt)] = list(output.outputs[0].token_ids)
+    llm.engine.shutdown()
+    return llama_path, answers
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_timed_scenarios_against_a_real_model(
+        backend: str, real_model: tuple[Path, dict[tuple[int, ...], list[int]]]) -> None:
+    from triollm.model.torch_runner import TorchModelRunner
+
+    path, answers = real_model
+    args = AsyncEngineArgs(model=str(path), dtype="float32", max_model_len=64,
+                           max_num_batched_tokens=16, block_size=4, max_num_seqs=4,
+                           num_gpu_blocks_override=64, disable_log_requests=True)
+    config = args.create_engine_config()
+
+    @settings(max_examples=12, deadline=None)
+    @given(requests=st.lists(timed_scenarios(st.sampled_from(REAL_PROMPTS)),
+                             min_size=1, max_size=6),
+           fail_at_step=st.one_of(st.none(), st.none(), st.integers(0, 20)))
+    def run(requests: list[TimedScenario], fail_at_step: int | None) -> None:
+        EXAMPLES[f"real-model/{backend}"] += 1
+        requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, REAL_MAX_TOKENS))
+                    for r in requests]
+        options = {"clock": MockClock(autojump_threshold=0)} if backend == "trio" else {}
+        anyio.run(run_timed_scenarios, requests, fail_at_step,
+                  lambda: RecordingRunner(TorchModelRunner(config), fail_at_step), args,
+                  lambda scenario: answers[tuple(scenario.prompt)][: scenario.max_tokens],
+                  backend=backend, backend_options=options)
+
+    run()
 
 
 def test_report_example_counts() -> None:

@@ -38,7 +38,10 @@ class _ParentRequest:
 
     @property
     def finished(self) -> bool:
-        return all(child.is_finished for child in self.children)
+        children = self.children
+        if len(children) == 1:
+            return children[0].is_finished
+        return all(child.is_finished for child in children)
 
 
 class EngineCore:
@@ -108,18 +111,22 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort user requests now; unknown or finished ids are ignored. Returns each
         aborted request's final output (finish_reason ``"abort"``)."""
-        outputs = []
+        parents = {}
         for request_id in request_ids:
             parent = self._parents.get(request_id)
-            if parent is None:
-                continue
-            running = [c.request_id for c in parent.children if not c.is_finished]
-            self.scheduler.finish_requests(running, RequestStatus.FINISHED_ABORTED)
-            now = time.time()
-            for child in parent.children:
-                if child.request_id in running:
-                    child.metrics.finished_time = now
-            output = self._make_output(parent)
+            if parent is not None:
+                parents[request_id] = parent
+        running = [child for parent in parents.values() for child in parent.children
+                   if not child.is_finished]
+        # One call for all of them: the scheduler's removal scans its queues once.
+        self.scheduler.finish_requests([c.request_id for c in running],
+                                       RequestStatus.FINISHED_ABORTED)
+        now = time.time()
+        for child in running:
+            child.metrics.finished_time = now
+        outputs = []
+        for parent in parents.values():
+            output = self._make_output(parent, True)
             if output is not None:
                 outputs.append(output)
             self._forget(parent)
@@ -194,10 +201,11 @@ class EngineCore:
 
         outputs = []
         for parent in touched.values():
-            output = self._make_output(parent)
+            finished_now = parent.finished
+            output = self._make_output(parent, finished_now)
             if output is not None:
                 outputs.append(output)
-            if parent.finished:
+            if finished_now:
                 self._forget(parent)
         return outputs
 
@@ -231,8 +239,7 @@ class EngineCore:
                 result[token_id] = Logprob(logprob=value, rank=rank, decoded_token=text)
         return result
 
-    def _make_output(self, parent: _ParentRequest) -> RequestOutput | None:
-        finished = parent.finished
+    def _make_output(self, parent: _ParentRequest, finished: bool) -> RequestOutput | None:
         kind = parent.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
@@ -259,16 +266,16 @@ class EngineCore:
     def _completion(self, request: Request, delta: bool) -> CompletionOutput:
         finished = request.is_finished
         text = request.detokenizer.text_to_deliver(finished) if request.detokenizer else ""
-        tokens = request.output_token_ids
         logprobs = request.logprobs
         if delta:
             text_start, token_start = request.num_delivered_chars, request.num_delivered_tokens
             request.num_delivered_chars = len(text)
-            request.num_delivered_tokens = len(tokens)
+            request.num_delivered_tokens = request.num_output_tokens
             text = text[text_start:]
-            tokens = tokens[token_start:]
+            tokens = request.all_token_ids[request.num_prompt_tokens + token_start:]
             logprobs = logprobs[token_start:] if logprobs is not None else None
         else:
+            tokens = request.output_token_ids
             logprobs = list(logprobs) if logprobs is not None else None
         return CompletionOutput(
             index=request.index,

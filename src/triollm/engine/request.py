@@ -25,14 +25,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        # Identity tests: Enum hashing is a Python-level call, and this runs per token.
+        return (self is RequestStatus.FINISHED_STOPPED
+                or self is RequestStatus.FINISHED_LENGTH_CAPPED
+                or self is RequestStatus.FINISHED_ABORTED)
 
-
-_FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH_CAPPED,
-    RequestStatus.FINISHED_ABORTED,
-}
 FinishReason = str
 
 

@@ -80,38 +80,53 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
         self._num_preemptions = 0
+        #: Every request in ``running`` or ``waiting``, by id.
+        self._queued: dict[str, Request] = {}
+        #: Finished requests still in ``running`` / ``waiting`` (dropped lazily).
+        self._num_stale = 0
 
     # -- requests in and out -------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        self._queued[request.request_id] = request
         self.waiting.append(request)
         if self.config.policy == "priority":
             self.waiting.sort(key=_priority_key)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Remove requests from the queues and free their blocks. Unknown ids are ignored."""
+        """Remove requests from the queues and free their blocks. Unknown ids are ignored.
+
+        O(1) per request: the queues drop finished requests lazily, on their next use,
+        so aborting thousands of requests one by one stays linear."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
-        ids = set(request_ids)
-        removed = [r for r in self.running if r.request_id in ids]
-        removed += [r for r in self.waiting if r.request_id in ids]
-        if not removed:
-            return []
-        self.running = [r for r in self.running if r.request_id not in ids]
-        self.waiting = [r for r in self.waiting if r.request_id not in ids]
-        for request in removed:
+        removed = []
+        for request_id in request_ids:
+            request = self._queued.pop(request_id, None)
+            if request is None:
+                continue
             request.status = status
-            self.block_manager.free(request.request_id)
-            self._finished_since_last_step.append(request.request_id)
+            self.block_manager.free(request_id)
+            self._finished_since_last_step.append(request_id)
+            removed.append(request)
+        if removed:
+            self._num_stale += len(removed)
         return removed
 
+    def _drop_finished(self) -> None:
+        if self._num_stale:
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = [r for r in self.waiting if not r.is_finished]
+            self._num_stale = 0
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self._queued)
 
     # -- the step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self._drop_finished()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -194,13 +209,13 @@ class Scheduler:
 
     def update_computed_tokens(self, output: SchedulerOutput) -> None:
         """After a step ran: the scheduled tokens now have their KV in the cache."""
-        running = {r.request_id: r for r in self.running}
         for item in output.scheduled:
-            request = running.get(item.request_id)
-            if request is not None:
+            request = self._queued.get(item.request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens += item.num_tokens
 
     def statistics(self) -> SchedulerStatistics:
+        self._drop_finished()
         stats = self.block_manager.statistics()
         return SchedulerStatistics(
             num_running=len(self.running),
