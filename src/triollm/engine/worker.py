@@ -3,13 +3,14 @@
 torch and CUDA keep per-thread state, so the runner is built, stepped and shut down in
 this one thread (``to_thread.run_sync`` would use any thread of a pool). The event loop
 hands it a job and waits for the result without blocking; the thread wakes the waiting
-task with ``anyio.from_thread.run_sync`` and the loop's token. A wait for a job in
+task through the loop's thread-safe call-soon hand-off. A wait for a job in
 progress is shielded from cancellation: the loop never leaves while the thread still
 computes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,9 @@ from typing import Any, TypeVar
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+import sniffio
+import trio
+import trio.lowlevel
 
 __all__ = ["ModelWorker", "open_model_worker"]
 
@@ -31,7 +35,7 @@ class ModelWorker:
 
     def __init__(self, name: str = "triollm-model") -> None:
         """Start the thread; call from the event loop that will wait on its jobs."""
-        self._token = anyio.lowlevel.current_token()
+        self._call_soon = _loop_call_soon()
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -52,7 +56,7 @@ class ModelWorker:
             except BaseException as error:  # handed to the waiting task
                 outcome["error"] = error
             finally:
-                anyio.from_thread.run_sync(done.set, token=self._token)
+                self._call_soon(done.set)
 
         self._jobs.put(job)
         with anyio.CancelScope(shield=True):
@@ -74,6 +78,22 @@ class ModelWorker:
         self._jobs.put(_STOP)
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._thread.join)
+
+
+def _loop_call_soon() -> Callable[[Callable[[], object]], None]:
+    """A thread-safe "run this on the event loop soon" for the running loop.
+
+    The model thread only needs to wake the waiting task, not wait for the loop to do
+    it, so it uses the backend's own non-blocking hand-off (``call_soon_threadsafe``,
+    ``TrioToken.run_sync_soon``); ``anyio.from_thread.run_sync`` is the fallback.
+    """
+    library = sniffio.current_async_library()
+    if library == "asyncio":
+        return asyncio.get_running_loop().call_soon_threadsafe
+    if library == "trio":
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    token = anyio.lowlevel.current_token()
+    return lambda function: anyio.from_thread.run_sync(function, token=token)
 
 
 @asynccontextmanager
