@@ -80,7 +80,7 @@ class ModelWorker:
             await anyio.to_thread.run_sync(self._thread.join)
 
 
-def _loop_call_soon() -> Callable[[Callable[[], object]], None]:
+def _loop_call_soon() -> Callable[[Callable[[], object]], object]:
     """A thread-safe "run this on the event loop soon" for the running loop.
 
     The model thread only needs to wake the waiting task, not wait for the loop to do
