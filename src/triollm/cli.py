@@ -11,7 +11,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from triollm.config import EngineArgs
+from triollm.config import AsyncEngineArgs, EngineArgs
 
 __all__ = ["add_engine_arguments", "engine_args_from_namespace", "main"]
 
@@ -23,15 +23,34 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "num_gpu_blocks_override": "fix the number of KV-cache blocks on any device",
     "kv_cache_space_gb": "KV-cache memory on CPU, in GiB",
+    "served_model_name": "the model name(s) the API answers to (default: --model)",
+    "seed": "random seed of the engine",
+    "max_model_len": "context length (default: the model's)",
+    "block_size": "tokens per KV-cache block",
+    "max_num_seqs": "most sequences in one engine step",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
+    "trust_remote_code": "allow a model directory's own modeling code",
+    "enforce_eager": "accepted for vLLM compatibility (triollm always runs eagerly)",
+    "tensor_parallel_size": "number of GPUs (only 1 for now)",
+    "scheduling_policy": "fcfs or priority",
+    "disable_log_requests": "do not log each request",
+    "disable_log_stats": "do not log engine statistics periodically",
+    "max_log_len": "longest prompt prefix printed in request logs",
 }
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    hints = typing.get_type_hints(EngineArgs)
-    for field in dataclasses.fields(EngineArgs):
+def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                         args_class: type[EngineArgs] = EngineArgs) -> None:
+    hints = typing.get_type_hints(args_class)
+    for field in dataclasses.fields(args_class):
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
         help_text = _HELP.get(field.name, "") + f" (default: {field.default})"
+        if field.name == "served_model_name":
+            parser.add_argument(flag, nargs="+", default=None, help=help_text)
+            continue
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
                                 default=field.default, help=help_text)
@@ -43,9 +62,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=base, default=field.default, help=help_text)
 
 
-def engine_args_from_namespace(namespace: argparse.Namespace) -> EngineArgs:
-    names = {field.name for field in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**{k: v for k, v in vars(namespace).items() if k in names})
+def engine_args_from_namespace(namespace: argparse.Namespace,
+                               args_class: type[EngineArgs] = EngineArgs) -> EngineArgs:
+    names = {field.name for field in dataclasses.fields(args_class)}
+    return args_class(**{k: v for k, v in vars(namespace).items() if k in names})
 
 
 def _generate(namespace: argparse.Namespace) -> int:
@@ -60,9 +80,69 @@ def _generate(namespace: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(namespace: argparse.Namespace) -> int:
+    import logging
+
+    from triollm.engine.async_engine import AsyncLLMEngine
+    from triollm.server.serve import ServerOptions, serve_blocking
+
+    if namespace.model_tag is not None:
+        namespace.model = namespace.model_tag
+    level = (namespace.log_level or namespace.uvicorn_log_level).upper()
+    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    args = engine_args_from_namespace(namespace, AsyncEngineArgs)
+    engine = AsyncLLMEngine.from_engine_args(args)  # type: ignore[arg-type]  # validates first
+    chat_template = namespace.chat_template
+    if chat_template is not None and "{" not in chat_template:
+        with open(chat_template, encoding="utf-8") as file:
+            chat_template = file.read()
+    served = args.served_model_name
+    options = ServerOptions(
+        host=namespace.host, port=namespace.port, api_key=namespace.api_key,
+        served_model_names=tuple([served] if isinstance(served, str) else served or []),
+        ssl_keyfile=namespace.ssl_keyfile, ssl_certfile=namespace.ssl_certfile,
+        shutdown_grace=namespace.shutdown_grace,
+        max_request_body_bytes=namespace.max_request_body_bytes,
+        chat_template=chat_template, log_level=level.lower())
+    return serve_blocking(lambda: engine, options)
+
+
+def _add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (as `vllm serve`). "
+                    "With no model it serves the built-in demo model (random weights).")
+    serve.add_argument("model_tag", nargs="?", default=None,
+                       help="model directory or hub id (same as --model)")
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
+                        "127.0.0.1; 0.0.0.0 for every interface)")
+    server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    server.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on /v1 routes")
+    server.add_argument("--ssl-keyfile", default=None, help="TLS private key file")
+    server.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one "
+                             "(default: the tokenizer's)")
+    server.add_argument("--shutdown-grace", type=float, default=30.0,
+                        help="seconds in-flight requests may run after SIGINT/SIGTERM "
+                             "(default: 30)")
+    server.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                        help="larger request bodies get 413 (default: 8 MiB)")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["debug", "info", "warning", "error", "critical"],
+                        help="log level (vLLM's name for it; default: info)")
+    server.add_argument("--log-level", default=None,
+                        choices=["debug", "info", "warning", "error", "critical"],
+                        help="log level (overrides --uvicorn-log-level)")
+    add_engine_arguments(serve.add_argument_group("engine"), AsyncEngineArgs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="triollm", description="LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(commands)
     generate = commands.add_parser("generate", help="generate offline for a few prompts")
     generate.add_argument("prompt", nargs="+", help="one or more prompts")
     generate.add_argument("--max-tokens", type=int, default=32)
@@ -71,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_engine_arguments(generate)
     namespace = parser.parse_args(argv)
     try:
-        handler: Any = {"generate": _generate}[namespace.command]
+        handler: Any = {"generate": _generate, "serve": _serve}[namespace.command]
         return int(handler(namespace))
     except ValueError as error:
         print(f"triollm: error: {error}", file=sys.stderr)

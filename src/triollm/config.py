@@ -251,4 +251,5 @@ class AsyncEngineArgs(EngineArgs):
     """``EngineArgs`` plus the async engine's request logging options."""
 
     disable_log_requests: bool = False
+    disable_log_stats: bool = False
     max_log_len: int | None = None

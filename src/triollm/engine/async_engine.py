@@ -33,7 +33,7 @@ import sniffio
 import trio
 import trio.lowlevel
 
-from triollm.engine.core import EngineCore
+from triollm.engine.core import EngineCore, IterationStats
 from triollm.engine.worker import ModelWorker, open_model_worker
 from triollm.errors import EngineClosedError, EngineDeadError
 from triollm.outputs import CompletionOutput, RequestOutput
@@ -43,11 +43,17 @@ if TYPE_CHECKING:
     from triollm.config import AsyncEngineArgs, EngineConfig, ModelConfig, SchedulerConfig
     from triollm.model.runner import ModelRunner
 
-__all__ = ["AsyncLLMEngine", "EngineStatistics"]
+__all__ = ["AsyncLLMEngine", "EngineStatistics", "StatLogger"]
 
 logger = logging.getLogger(__name__)
 
 RunnerFactory = Callable[[], "ModelRunner"]
+
+
+class StatLogger(Protocol):
+    """Receives what each step did (see ``IterationStats``), on the event loop."""
+
+    def record(self, stats: IterationStats, engine_stats: EngineStatistics) -> None: ...
 _DEFAULT_STREAM_BUFFER = 1
 
 
@@ -275,6 +281,7 @@ class AsyncLLMEngine:
         log_requests: bool = True,
         max_log_len: int | None = None,
         stream_buffer_size: int = _DEFAULT_STREAM_BUFFER,
+        stat_loggers: list[StatLogger] | None = None,
     ) -> None:
         if stream_buffer_size < 1:
             raise ValueError("stream_buffer_size: must be >= 1")
@@ -294,11 +301,13 @@ class AsyncLLMEngine:
         self._num_steps = 0
         self._task_group: anyio.abc.TaskGroup | None = None
         self._make_wakeup: Callable[[], _Wakeup] = anyio.Event
+        self._stat_loggers: list[StatLogger] = list(stat_loggers or [])
 
     @classmethod
     def from_engine_args(
         cls, engine_args: AsyncEngineArgs, *, runner_factory: RunnerFactory | None = None,
         stream_buffer_size: int = _DEFAULT_STREAM_BUFFER,
+        stat_loggers: list[StatLogger] | None = None,
     ) -> AsyncLLMEngine:
         """Validate the arguments and load the tokenizer; the model loads in ``run``."""
         from triollm.model.loader import load_tokenizer
@@ -315,7 +324,13 @@ class AsyncLLMEngine:
         return cls(config, tokenizer, runner_factory,
                    log_requests=not getattr(engine_args, "disable_log_requests", False),
                    max_log_len=getattr(engine_args, "max_log_len", None),
-                   stream_buffer_size=stream_buffer_size)
+                   stream_buffer_size=stream_buffer_size, stat_loggers=stat_loggers)
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Have ``stat_logger.record`` called after every step (before ``run``)."""
+        if self._started:
+            raise RuntimeError("add stat loggers before the engine starts")
+        self._stat_loggers.append(stat_logger)
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -369,6 +384,7 @@ class AsyncLLMEngine:
             try:
                 runner = await worker.run_sync(self._runner_factory)
                 self._core = EngineCore(self.config, runner, self.tokenizer)
+                self._core.collect_stats = bool(self._stat_loggers)
                 # As vLLM does after start-up: the model, tokenizer and imports are
                 # long-lived, so keep the cyclic GC from re-scanning them on every
                 # oldest-generation collection (those pauses grow with the heap).
@@ -415,12 +431,19 @@ class AsyncLLMEngine:
             self._num_steps += 1
             for output in core.process(scheduler_output, runner_output):
                 self._deliver(output)
+            self._record_stats()
             await anyio.lowlevel.checkpoint()
 
     async def _wait_for_work(self, core: EngineCore) -> None:
         while not core.has_unfinished_requests():
             self._work_available = anyio.Event()
             await self._work_available.wait()
+
+    def _record_stats(self) -> None:
+        if self._stat_loggers and self._core is not None:
+            stats, engine_stats = self._core.take_stats(), self.statistics()
+            for stat_logger in self._stat_loggers:
+                stat_logger.record(stats, engine_stats)
 
     def _wake(self) -> None:
         if self._work_available is not None:
@@ -453,6 +476,8 @@ class AsyncLLMEngine:
         priority: int = 0,
         lora_request: Any = None,
         trace_headers: Mapping[str, str] | None = None,
+        is_latency_sensitive: bool = False,
+        slo: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request.
 
@@ -460,10 +485,13 @@ class AsyncLLMEngine:
         (break, cancellation) aborts the request; close the generator promptly with
         ``contextlib.aclosing`` when breaking out. Raises ``ValueError`` for bad input,
         ``EngineDeadError`` if the engine died and ``EngineClosedError`` if it shut down.
+        ``is_latency_sensitive`` and ``slo`` (target seconds per output token) mark a
+        request for SLO-aware co-serving.
         """
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported yet")
-        channel = self._add_request(prompt, sampling_params, request_id, priority)
+        channel = self._add_request(prompt, sampling_params, request_id, priority,
+                                    is_latency_sensitive, slo)
         finished = False
         try:
             while True:
@@ -482,7 +510,8 @@ class AsyncLLMEngine:
                 self._abort_now(request_id, channel)
 
     def _add_request(self, prompt: Any, params: SamplingParams, request_id: str,
-                     priority: int) -> _RequestChannel:
+                     priority: int, is_latency_sensitive: bool = False,
+                     slo: float | None = None) -> _RequestChannel:
         if self._dead_error is not None:
             raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
         core = self._core
@@ -493,7 +522,8 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id: must be a string, got {request_id!r}")
         if request_id in self._channels:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        core.add_request(request_id, prompt, params, priority=priority)
+        core.add_request(request_id, prompt, params, priority=priority,
+                         is_latency_sensitive=is_latency_sensitive, slo=slo)
         channel = _RequestChannel(request_id, params.output_kind, self._stream_buffer_size,
                                   self._make_wakeup)
         self._channels[request_id] = channel
@@ -517,8 +547,10 @@ class AsyncLLMEngine:
             for output in outputs:
                 current.put(output)
             current.close()
-        if outputs and self.log_requests:
-            logger.info("Aborted request %s.", request_id)
+        if outputs:
+            self._record_stats()
+            if self.log_requests:
+                logger.info("Aborted request %s.", request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with a final output whose finish_reason is

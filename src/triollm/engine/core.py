@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from triollm.config import EngineConfig
@@ -22,7 +22,27 @@ from triollm.model.runner import ModelRunner, RunnerOutput, TokenLogprobs
 from triollm.outputs import CompletionOutput, Logprob, RequestOutput
 from triollm.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["EngineCore"]
+__all__ = ["EngineCore", "FinishedRequestStats", "IterationStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What happened since the stats were last taken: the raw material of metrics
+    (vLLM's names: prompt / generation tokens, TTFT, inter-token latency, finished)."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +79,10 @@ class EngineCore:
         self._parents: dict[str, _ParentRequest] = {}
         self._requests: dict[str, Request] = {}
         self._parent_of: dict[str, _ParentRequest] = {}
+        #: Gather ``IterationStats`` for ``take_stats()`` (off unless someone takes them,
+        #: so an offline run does not accumulate per-token latencies).
+        self.collect_stats = False
+        self._stats = IterationStats()
 
     # -- requests ------------------------------------------------------------------
 
@@ -70,6 +94,8 @@ class EngineCore:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        is_latency_sensitive: bool = False,
+        slo: float | None = None,
     ) -> None:
         """Validate and queue a request. Raises ``ValueError`` (and changes nothing) for a
         bad prompt, bad parameters or a duplicate id."""
@@ -79,6 +105,8 @@ class EngineCore:
             raise ValueError("sampling_params: must be a SamplingParams")
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError("priority: a non-zero priority needs scheduling_policy='priority'")
+        if slo is not None and not slo > 0:
+            raise ValueError(f"slo: must be > 0 seconds per output token, got {slo!r}")
         processed = process_prompt(prompt, self.tokenizer, max_model_len=self.max_model_len,
                                    vocab_size=self.vocab_size)
         arrival = time.time() if arrival_time is None else arrival_time
@@ -90,7 +118,8 @@ class EngineCore:
             child_params = params if params.n == 1 else params.child(index)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             child = Request(child_id, processed.token_ids, child_params, arrival,
-                            priority=priority, index=index)
+                            priority=priority, index=index,
+                            is_latency_sensitive=is_latency_sensitive, slo=slo)
             if child_params.detokenize:
                 child.detokenizer = IncrementalDetokenizer(
                     self.tokenizer,
@@ -124,6 +153,7 @@ class EngineCore:
         now = time.time()
         for child in running:
             child.metrics.finished_time = now
+            self._record_finished(child, RequestStatus.FINISHED_ABORTED.value, now)
         outputs = []
         for parent in parents.values():
             output = self._make_output(parent, True)
@@ -181,9 +211,12 @@ class EngineCore:
             if token is None:
                 continue
             request.append_output_token(token)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
+            metrics = request.metrics
+            if self.collect_stats:
+                self._record_token(request, now)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             token_lp = runner_output.logprobs.get(item.request_id)
             if token_lp is not None and request.logprobs is not None:
                 request.logprobs.append(self._logprob_dict(token_lp))
@@ -193,6 +226,7 @@ class EngineCore:
             if status is not None:
                 request.status = status  # final; the scheduler frees it below
                 request.metrics.finished_time = now
+                self._record_finished(request, status.value, now)
                 finished.setdefault(status, []).append(request.request_id)
             parent = self._parent_of[request.request_id]
             touched[parent.request_id] = parent
@@ -294,6 +328,28 @@ class EngineCore:
             self._parent_of.pop(child.request_id, None)
 
     # -- introspection -------------------------------------------------------------
+
+    def _record_token(self, request: Request, now: float) -> None:
+        stats, metrics = self._stats, request.metrics
+        stats.num_generation_tokens += 1
+        if metrics.first_token_time is None:
+            stats.num_prompt_tokens += request.num_prompt_tokens
+            stats.time_to_first_token.append(now - metrics.arrival_time)
+        elif metrics.last_token_time is not None:
+            stats.inter_token_latency.append(now - metrics.last_token_time)
+
+    def _record_finished(self, request: Request, reason: str, now: float) -> None:
+        if not self.collect_stats:
+            return
+        self._stats.finished.append(FinishedRequestStats(
+            finish_reason=reason, e2e_latency=now - request.metrics.arrival_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generation_tokens=request.num_output_tokens))
+
+    def take_stats(self) -> IterationStats:
+        """The stats gathered since the last call (and start afresh)."""
+        stats, self._stats = self._stats, IterationStats()
+        return stats
 
     def statistics(self) -> SchedulerStatistics:
         return self.scheduler.statistics()

@@ -49,12 +49,17 @@ class Request:
         *,
         priority: int = 0,
         index: int = 0,
+        is_latency_sensitive: bool = False,
+        slo: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.priority = priority
         self.index = index
+        #: Co-serving: a latency-sensitive request and its target seconds per output token.
+        self.is_latency_sensitive = is_latency_sensitive
+        self.slo = slo
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
