@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -43,6 +44,35 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> dic
 @pytest.fixture(scope="session")
 def llama_path(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
+
+
+POISON = 77
+POISON_MODELING = f'''
+from transformers import LlamaForCausalLM
+
+
+class PoisonLlamaForCausalLM(LlamaForCausalLM):
+    """Raises when the poison token reaches the model."""
+
+    def forward(self, input_ids=None, **kwargs):
+        if input_ids is not None and bool((input_ids == {POISON}).any()):
+            raise RuntimeError("poison token reached the model")
+        return super().forward(input_ids=input_ids, **kwargs)
+'''
+
+
+@pytest.fixture(scope="session")
+def poison_model(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    """A tiny Llama loaded with trust_remote_code whose forward raises on ``POISON``."""
+    from triollm.testing import build_tiny_model
+
+    path = build_tiny_model("llama", tmp_path_factory.mktemp("poison") / "model", tokenizer)
+    (path / "modeling_poison.py").write_text(POISON_MODELING)
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_poison.PoisonLlamaForCausalLM"}
+    config["architectures"] = ["PoisonLlamaForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 @pytest.fixture(scope="session", params=["trio", "asyncio"])

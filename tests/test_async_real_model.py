@@ -3,7 +3,6 @@ loop that keeps serving while a long torch step runs in the model thread."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -11,37 +10,12 @@ from typing import Any
 import anyio
 import pytest
 
+from conftest import POISON
 from helpers import run_ticker
 from triollm import AsyncEngineArgs, AsyncLLMEngine, EngineDeadError, SamplingParams
 from triollm.testing import build_tiny_model
 
 pytestmark = pytest.mark.anyio
-
-POISON = 77
-POISON_MODELING = f'''
-from transformers import LlamaForCausalLM
-
-
-class PoisonLlamaForCausalLM(LlamaForCausalLM):
-    """Raises when the poison token reaches the model."""
-
-    def forward(self, input_ids=None, **kwargs):
-        if input_ids is not None and bool((input_ids == {POISON}).any()):
-            raise RuntimeError("poison token reached the model")
-        return super().forward(input_ids=input_ids, **kwargs)
-'''
-
-
-@pytest.fixture(scope="module")
-def poison_model(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    path = build_tiny_model("llama", tmp_path_factory.mktemp("poison") / "model", tokenizer)
-    (path / "modeling_poison.py").write_text(POISON_MODELING)
-    config = json.loads((path / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_poison.PoisonLlamaForCausalLM"}
-    config["architectures"] = ["PoisonLlamaForCausalLM"]
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
 
 async def test_a_forward_that_raises_fails_every_stream_and_the_task_group(
         poison_model: Path) -> None:

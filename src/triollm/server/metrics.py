@@ -75,6 +75,8 @@ class PrometheusStatLogger:
         self.request_success = Counter("triollm:request_success",
                                        "Finished requests, by finish reason.",
                                        [*labels, "finished_reason"], registry=registry)
+        for reason in ("stop", "length", "abort"):  # every series exists from the start
+            self.request_success.labels(model_name, reason)
         self.time_to_first_token = Histogram(
             "triollm:time_to_first_token_seconds", "Time to first token.", labels,
             buckets=_TTFT_BUCKETS, registry=registry).labels(model_name)

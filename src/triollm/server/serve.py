@@ -115,12 +115,14 @@ async def _run_engine(engine: AsyncLLMEngine, state: ServerState, options: Serve
     try:
         await engine.run(task_status=task_status)
     except Exception:
-        # Every stream already holds its EngineDeadError; give the handlers a moment to
-        # send their error events, then let the exception end the server.
+        # Every stream already holds its EngineDeadError. For a short grace the server
+        # keeps answering (handlers send their error events, /health says 503), then the
+        # exception ends the server and the process exits non-zero.
         state.shutting_down = True
-        logger.error("the engine died; stopping the server")
-        with anyio.move_on_after(options.engine_death_grace, shield=True):
-            await state.wait_idle()
+        logger.error("the engine died; the server stops in %.1f s",
+                     options.engine_death_grace)
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(options.engine_death_grace)
         raise
 
 

@@ -1,0 +1,325 @@
+"""The OpenAI-compatible server, over a real tiny model on 127.0.0.1, through the
+official ``openai`` client (sync, and async under trio and asyncio) and raw HTTP."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+
+from server_helpers import ThreadedServer, server_in_thread
+from triollm import AsyncEngineArgs, AsyncLLMEngine
+
+API_KEY = "sk-test-key"
+MODEL = "tiny"
+BODY_LIMIT = 64 * 1024
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def server(llama_path: Path) -> Iterator[ThreadedServer]:
+    args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                           num_gpu_blocks_override=512, max_num_seqs=96,
+                           disable_log_requests=True)
+    engine = AsyncLLMEngine.from_engine_args(args)
+    with server_in_thread(engine, api_key=API_KEY, served_model_names=(MODEL,),
+                          max_request_body_bytes=BODY_LIMIT) as running:
+        yield running
+    assert not running.errors, running.errors
+
+
+@pytest.fixture(scope="module")
+def client(server: ThreadedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def metric(server: ThreadedServer, name: str, **labels: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            total += float(match.group(2))
+            found = True
+    assert found, f"{name} not in /metrics"
+    return total
+
+
+def assert_idle(server: ThreadedServer, timeout: float = 10.0) -> None:
+    """No request running or waiting, every KV block free (polls: aborts land at the
+    next step boundary)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = metric(server, "triollm:num_requests_running")
+        waiting = metric(server, "triollm:num_requests_waiting")
+        stats = server.handle.engine.statistics()
+        if (running, waiting, stats.num_free_blocks, stats.num_open_streams) == (
+                0, 0, stats.num_total_blocks, 0):
+            assert metric(server, "triollm:kv_cache_usage_perc") == 0
+            return
+        assert time.monotonic() < deadline, (running, waiting, stats)
+        time.sleep(0.05)
+
+
+# -- completions and chat through the openai client ------------------------------------
+
+def test_completion_text_usage_and_stop(client: openai.OpenAI) -> None:
+    first = client.completions.create(model=MODEL, prompt="The cat sat on", max_tokens=12,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    [choice] = first.choices
+    assert choice.finish_reason == "length" and choice.text
+    assert first.usage is not None and first.usage.completion_tokens == 12
+    assert first.usage.total_tokens == first.usage.prompt_tokens + 12
+    # Stop on a piece of what greedy decoding writes: the text ends just before it.
+    stop = choice.text[len(choice.text) // 2:][:3]
+    if stop.strip():
+        stopped = client.completions.create(model=MODEL, prompt="The cat sat on",
+                                            max_tokens=12, temperature=0, stop=[stop])
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].text == choice.text[: choice.text.index(stop)]
+
+
+def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16,
+                              "temperature": 0, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == "length" and all(f is None for f in finals[:-1])
+
+
+def test_n_seed_logprobs_and_echo(client: openai.OpenAI) -> None:
+    result = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, n=3,
+                                       seed=7, temperature=1.0, logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in result.choices) == [0, 1, 2]
+    assert result.usage is not None and result.usage.completion_tokens == 18
+    for choice in result.choices:
+        assert choice.logprobs is not None
+        assert len(choice.logprobs.tokens or []) == 6
+        joined = "".join(choice.logprobs.tokens or [])
+        if "\ufffd" not in joined + choice.text:  # byte tokens of a split character
+            assert joined == choice.text
+        assert all(lp is not None and lp <= 0 for lp in choice.logprobs.token_logprobs or [])
+        # top 2 plus the sampled token, keyed by text (byte tokens may share a text)
+        assert all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs or [])
+    again = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, n=3, seed=7,
+                                      temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in result.choices]
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, echo=True,
+                                       temperature=0)
+    assert echoed.choices[0].text.startswith("Hello")
+
+
+def test_batched_prompts(client: openai.OpenAI) -> None:
+    result = client.completions.create(model=MODEL, prompt=["one", "two", "three"],
+                                       max_tokens=4, n=2, temperature=0)
+    assert sorted(c.index for c in result.choices) == list(range(6))
+    assert result.usage is not None and result.usage.completion_tokens <= 24
+
+
+def test_chat_streaming_and_not(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "Say something."}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                           temperature=0, logprobs=True, top_logprobs=3)
+    [choice] = reply.choices
+    assert choice.message.role == "assistant" and choice.message.content is not None
+    assert reply.usage is not None and reply.usage.completion_tokens == len(
+        choice.logprobs.content or []) if choice.logprobs else False
+    assert all(len(t.top_logprobs) == 3 for t in (choice.logprobs.content or []))
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_errors_surface_as_the_clients_exception_types(server: ThreadedServer,
+                                                       client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+    assert "temperature" in str(raised.value)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0
+                      ).completions.create(model=MODEL, prompt="x", max_tokens=2)
+
+
+@pytest.mark.anyio
+async def test_async_client(server: ThreadedServer, anyio_backend: str) -> None:
+    """``AsyncOpenAI`` under trio and under asyncio, several requests at once."""
+    async_client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY,
+                                      max_retries=0)
+    texts: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        if i % 2:
+            stream = await async_client.completions.create(
+                model=MODEL, prompt=f"Number {i}", max_tokens=8, temperature=0, stream=True)
+            texts[i] = "".join([c.choices[0].text async for c in stream if c.choices])
+        else:
+            result = await async_client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Number {i}"}],
+                max_tokens=8, temperature=0)
+            texts[i] = result.choices[0].message.content or ""
+
+    async with anyio.create_task_group() as tasks:
+        for i in range(6):
+            tasks.start_soon(one, i)
+    assert len(texts) == 6
+    await async_client.close()
+
+
+# -- the other endpoints ---------------------------------------------------------------
+
+def test_models_health_version_tokenize_and_openapi(server: ThreadedServer,
+                                                    client: openai.OpenAI) -> None:
+    [card] = client.models.list().data
+    assert card.id == MODEL
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert tokens["max_model_len"] == MAX_MODEL_LEN
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text["prompt"].strip() == "Hello world"
+    chat = httpx.post(server.url + "/tokenize",
+                      json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 1
+    schema = httpx.get(server.url + "/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                 "/tokenize", "/detokenize", "/generate", "/metrics", "/version"):
+        assert path in schema["paths"], path
+    fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    for name in ("prompt", "max_tokens", "n", "logprobs", "echo", "stop", "seed", "top_k",
+                 "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+                 "priority", "is_latency_sensitive", "slo", "stream_options"):
+        assert name in fields, name
+
+
+def test_seed_generate_endpoint(server: ThreadedServer) -> None:
+    """vLLM's minimal /generate of the seed's api_server, plain and streaming."""
+    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
+    plain = httpx.post(server.url + "/generate", json=body).json()
+    assert plain["text"][0].startswith("Hello")
+    with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}) as r:
+        chunks = [c for c in r.read().split(b"\0") if c]
+    import json
+
+    assert json.loads(chunks[-1])["text"] == plain["text"]
+    assert httpx.post(server.url + "/generate", json={"prompt": "x", "bogus": 1}
+                      ).status_code == 400
+
+
+def test_metrics_use_vllm_names_with_the_triollm_prefix(server: ThreadedServer,
+                                                        client: openai.OpenAI) -> None:
+    before = metric(server, "triollm:request_success_total", finished_reason="length")
+    generated_before = metric(server, "triollm:generation_tokens_total")
+    client.completions.create(model=MODEL, prompt="count", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert metric(server, "triollm:request_success_total",
+                  finished_reason="length") == before + 1
+    assert metric(server, "triollm:generation_tokens_total") == generated_before + 5
+    for name in ("triollm:prompt_tokens_total", "triollm:time_to_first_token_seconds_count",
+                 "triollm:inter_token_latency_seconds_count",
+                 "triollm:e2e_request_latency_seconds_count"):
+        assert metric(server, name) > 0, name
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
+        server: ThreadedServer, client: openai.OpenAI) -> None:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    url = server.url + "/v1/completions"
+    good = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    cases: list[tuple[str, dict[str, Any], int, str | None]] = [
+        ("invalid JSON", {"content": b"{not json", "headers": {
+            **auth, "content-type": "application/json"}}, 400, None),
+        ("wrong type", {"json": {**good, "max_tokens": "many"}}, 400, "max_tokens"),
+        ("out of range temperature", {"json": {**good, "temperature": -0.5}}, 400,
+         "temperature"),
+        ("out of range top_p", {"json": {**good, "top_p": 1.5}}, 400, "top_p"),
+        ("prompt too long", {"json": {**good, "prompt": [5] * MAX_MODEL_LEN}}, 400, "prompt"),
+        ("empty prompt", {"json": {**good, "prompt": ""}}, 400, "prompt"),
+        ("n too large", {"json": {**good, "n": 1000}}, 400, "n"),
+        ("unknown model", {"json": {**good, "model": "nope"}}, 404, "model"),
+        ("body over the limit", {"json": {**good, "prompt": "x" * (BODY_LIMIT + 1)}}, 413,
+         None),
+    ]
+    for name, kwargs, status, param in cases:
+        kwargs.setdefault("headers", auth)
+        response = httpx.post(url, **kwargs)
+        assert response.status_code == status, (name, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, name
+        assert error["message"] and error["code"] == status, name
+        if param is not None:
+            assert error["param"] == param, (name, error)
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(url, json=good, headers=headers)
+        assert response.status_code == 401
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(server.url + "/health").status_code == 200  # open without a key
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=auth,
+                      json={"model": MODEL, "messages": []})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=3
+                                     ).choices[0].text is not None
+    assert_idle(server)
+
+
+# -- clients that go away ----------------------------------------------------------------
+
+def test_clients_that_disconnect_are_aborted(server: ThreadedServer,
+                                             client: openai.OpenAI) -> None:
+    """50 streaming and 20 non-streaming clients leave early; nothing stays behind."""
+    aborted_before = metric(server, "triollm:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def streaming_client(i: int, http: httpx.AsyncClient) -> None:
+        async with http.stream("POST", server.url + "/v1/completions", headers=headers,
+                               json={**body, "prompt": f"stream {i}", "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    break  # read one event, then hang up
+
+    async def impatient_client(i: int, http: httpx.AsyncClient) -> None:
+        with pytest.raises(httpx.TimeoutException):
+            await http.post(server.url + "/v1/completions", headers=headers,
+                            json={**body, "prompt": f"wait {i}"}, timeout=0.3)
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http, \
+                anyio.create_task_group() as tasks:
+            for i in range(50):
+                tasks.start_soon(streaming_client, i, http)
+            for i in range(20):
+                tasks.start_soon(impatient_client, i, http)
+
+    anyio.run(main, backend="trio")
+    assert_idle(server)
+    aborted = metric(server, "triollm:request_success_total", finished_reason="abort")
+    assert aborted - aborted_before >= 60  # a few may finish first; most are aborted
+    assert client.completions.create(model=MODEL, prompt="after", max_tokens=3).choices
