@@ -1,0 +1,255 @@
+"""Online serving benchmark, in the spirit of vLLM's benchmark_serving.
+
+Poisson arrivals at each ``--request-rate`` (``inf``: all at once), random prompt and
+output lengths, streaming ``/v1/completions``. Reports request and output-token
+throughput, and TTFT, TPOT, ITL and end-to-end latency (mean, median, p99).
+
+Point it at any OpenAI-compatible server::
+
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --model MODEL
+
+or let it save a random-weight Llama (~85M parameters, the test tokenizer) and launch
+the servers itself, one after the other on the same model and workload::
+
+    python benchmarks/serving.py --launch triollm transformers --request-rate 1 4 inf
+
+(``transformers`` is ``transformers serve --continuous-batching``, pip extra
+``transformers[serving]``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import httpx
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def percentiles(values: list[float]) -> str:
+    if not values:
+        return "      n/a"
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    return (f"mean {1000 * statistics.fmean(values):8.1f}  median "
+            f"{1000 * statistics.median(values):8.1f}  p99 {1000 * p99:8.1f} ms")
+
+
+async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str,
+                      max_tokens: int) -> RequestResult:
+    # Greedy, no ignore_eos: `transformers serve` refuses fields it does not know.
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    times: list[float] = []  # events that carry text
+    any_times: list[float] = []  # events that carry a choice (special tokens have no text)
+    usage: dict[str, int] = {}
+    try:
+        async with http.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return RequestResult(False, error=(await response.aread()).decode()[:200])
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("usage"):
+                    usage = event["usage"]
+                choices = event.get("choices") or []
+                if choices:
+                    any_times.append(time.perf_counter())
+                if any(choice.get("text") for choice in choices):
+                    times.append(any_times[-1])
+    except httpx.HTTPError as error:
+        return RequestResult(False, error=repr(error))
+    times = times or any_times
+    if not times:
+        return RequestResult(False, error="no tokens")
+    tokens = usage.get("completion_tokens") or len(times)
+    return RequestResult(True, prompt_tokens=usage.get("prompt_tokens", 0),
+                         output_tokens=tokens, ttft=times[0] - start, e2e=times[-1] - start,
+                         itl=[b - a for a, b in zip(times, times[1:], strict=False)])
+
+
+async def run_rate(url: str, model: str, workload: list[tuple[str, int]], rate: float,
+                   seed: int) -> tuple[list[RequestResult], float]:
+    rng = random.Random(seed)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=len(workload) + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+
+        async def send(prompt: str, max_tokens: int) -> None:
+            results.append(await one_request(http, url, model, prompt, max_tokens))
+
+        async with anyio.create_task_group() as tasks:
+            for prompt, max_tokens in workload:
+                tasks.start_soon(send, prompt, max_tokens)
+                if math.isfinite(rate):
+                    await anyio.sleep(rng.expovariate(rate))
+        elapsed = time.perf_counter() - start
+    return results, elapsed
+
+
+def report(name: str, rate: float, results: list[RequestResult], elapsed: float) -> None:
+    ok = [r for r in results if r.ok]
+    failed = len(results) - len(ok)
+    tokens = sum(r.output_tokens for r in ok)
+    print(f"\n[{name}] request rate {rate}: {len(ok)} ok, {failed} failed, {elapsed:.1f} s")
+    if failed:
+        print(f"  first failure: {next(r.error for r in results if not r.ok)}")
+    print(f"  request throughput {len(ok) / elapsed:7.2f} req/s   output throughput "
+          f"{tokens / elapsed:8.1f} tok/s")
+    print(f"  TTFT  {percentiles([r.ttft for r in ok])}")
+    print(f"  TPOT  {percentiles([t for r in ok if (t := r.tpot) is not None])}")
+    print(f"  ITL   {percentiles([x for r in ok for x in r.itl])}")
+    print(f"  E2E   {percentiles([r.e2e for r in ok])}", flush=True)
+
+
+def make_workload(args: argparse.Namespace) -> list[tuple[str, int]]:
+    from triollm.model.loader import demo_corpus
+
+    words = " ".join(demo_corpus()).split()
+    rng = random.Random(args.seed)
+    workload = []
+    for _ in range(args.num_prompts):
+        start = rng.randrange(len(words))
+        length = rng.randint(*args.prompt_words)
+        prompt = " ".join((words[start:] + words)[:length])
+        workload.append((prompt, rng.randint(*args.output_len)))
+    return workload
+
+
+def save_model(directory: str) -> None:
+    import torch
+    import transformers
+
+    from triollm.testing import train_test_tokenizer
+
+    tokenizer = train_test_tokenizer()
+    config = transformers.LlamaConfig(
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+        num_key_value_heads=12, vocab_size=len(tokenizer), max_position_embeddings=1024,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.pad_token_id = 3
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def launched(kind: str, model_dir: str, max_num_seqs: int) -> Iterator[tuple[str, str]]:
+    port = free_port()
+    if kind == "triollm":
+        command = [sys.executable, "-m", "triollm", "serve", model_dir, "--port", str(port),
+                   "--dtype", "bfloat16", "--max-model-len", "1024",
+                   "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", "512",
+                   "--disable-log-requests", "--log-level", "warning"]
+        model = model_dir
+    else:
+        command = ["transformers", "serve", model_dir, "--continuous-batching", "--port",
+                   str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--device", "cpu",
+                   "--cb-max-batch-tokens", "512", "--log-level", "warning"]
+        model = model_dir
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{kind} server did not start (exit {process.poll()})")
+            time.sleep(0.5)
+        # Warm up (first requests load kernels, and transformers loads the model lazily).
+        anyio.run(run_rate, url, model, [("warm up", 4)] * 2, math.inf, 0)
+        yield url, model
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", help="an OpenAI-compatible server to measure")
+    parser.add_argument("--model", help="model name to send (with --base-url)")
+    parser.add_argument("--launch", nargs="+", choices=["triollm", "transformers"],
+                        help="save a random-weight model and launch these servers in turn")
+    parser.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 4.0, math.inf])
+    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--prompt-words", type=int, nargs=2, default=[16, 160])
+    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 96],
+                        help="max_tokens range (a request may stop earlier at EOS)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    workload = make_workload(args)
+    print(f"{args.num_prompts} requests, prompts {args.prompt_words[0]}-{args.prompt_words[1]}"
+          f" words, outputs {args.output_len[0]}-{args.output_len[1]} tokens (greedy)")
+    if args.base_url:
+        for rate in args.request_rate:
+            results, elapsed = anyio.run(run_rate, args.base_url, args.model, workload, rate,
+                                         args.seed)
+            report(args.base_url, rate, results, elapsed)
+        return
+    if not args.launch:
+        parser.error("give --base-url or --launch")
+    with tempfile.TemporaryDirectory() as model_dir:
+        save_model(model_dir)
+        for kind in args.launch:
+            with launched(kind, model_dir, args.max_num_seqs) as (url, model):
+                for rate in args.request_rate:
+                    results, elapsed = anyio.run(run_rate, url, model, workload, rate,
+                                                 args.seed)
+                    report(kind, rate, results, elapsed)
+
+
+if __name__ == "__main__":
+    main()
