@@ -20,6 +20,7 @@ the servers itself, one after the other on the same model and workload::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -99,7 +100,7 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str
     tokens = usage.get("completion_tokens") or len(times)
     return RequestResult(True, prompt_tokens=usage.get("prompt_tokens", 0),
                          output_tokens=tokens, ttft=times[0] - start, e2e=times[-1] - start,
-                         itl=[b - a for a, b in zip(times, times[1:], strict=False)])
+                         itl=[b - a for a, b in itertools.pairwise(times)])
 
 
 async def run_rate(url: str, model: str, workload: list[tuple[str, int]], rate: float,
