@@ -323,3 +323,25 @@ def test_clients_that_disconnect_are_aborted(server: ThreadedServer,
     aborted = metric(server, "triollm:request_success_total", finished_reason="abort")
     assert aborted - aborted_before >= 60  # a few may finish first; most are aborted
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=3).choices
+
+
+def test_tls(tmp_path: Path, llama_path: Path) -> None:
+    """--ssl-keyfile / --ssl-certfile: hypercorn serves HTTPS."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"],
+                   check=True, capture_output=True)
+    args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=64,
+                           num_gpu_blocks_override=32, disable_log_requests=True)
+    engine = AsyncLLMEngine.from_engine_args(args)
+    with server_in_thread(engine, ssl_keyfile=str(key), ssl_certfile=str(cert),
+                          served_model_names=(MODEL,)) as running:
+        assert running.url.startswith("https://")
+        response = httpx.post(running.url + "/v1/completions", verify=False,
+                              json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 200 and response.json()["choices"]

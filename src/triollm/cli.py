@@ -103,7 +103,8 @@ def _serve(namespace: argparse.Namespace) -> int:
         ssl_keyfile=namespace.ssl_keyfile, ssl_certfile=namespace.ssl_certfile,
         shutdown_grace=namespace.shutdown_grace,
         max_request_body_bytes=namespace.max_request_body_bytes,
-        chat_template=chat_template, log_level=level.lower())
+        chat_template=chat_template, log_level=level.lower(),
+        log_stats_interval=None if namespace.disable_log_stats else 10.0)
     return serve_blocking(lambda: engine, options)
 
 

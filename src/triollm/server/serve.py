@@ -54,6 +54,8 @@ class ServerOptions:
     chat_template: str | None = None
     log_level: str = "info"
     handle_signals: bool = True
+    #: Seconds between engine statistics log lines (vLLM: 10); None turns them off.
+    log_stats_interval: float | None = 10.0
 
 
 @dataclass
@@ -106,6 +108,8 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
             root.start_soon(_watch_signals, handle)
         root.start_soon(_shutdown_when_asked, handle, state, stop_serving, root.cancel_scope,
                         options.shutdown_grace)
+        if options.log_stats_interval is not None:
+            root.start_soon(_log_stats, engine, options.log_stats_interval)
         logger.info("triollm serving %s at %s", ", ".join(names), ", ".join(handle.urls))
         task_status.started(handle)
 
@@ -137,6 +141,12 @@ async def _shutdown_when_asked(handle: ServerHandle, state: ServerState,
     with anyio.move_on_after(grace if math.isfinite(grace) else None):
         await state.wait_idle()
     root_scope.cancel()  # hypercorn has stopped listening; this ends the rest
+
+
+async def _log_stats(engine: AsyncLLMEngine, interval: float) -> None:
+    while True:
+        await anyio.sleep(interval)
+        await engine.do_log_stats()
 
 
 async def _watch_signals(handle: ServerHandle) -> None:
