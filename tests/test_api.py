@@ -81,7 +81,7 @@ def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) ->
 
 @pytest.mark.parametrize("module", [
     "triollm.model.attention", "triollm.model.sampler", "triollm.model.torch_runner",
-    "triollm.model.loader", "triollm.engine.core", "triollm.llm",
+    "triollm.model.loader", "triollm.engine.core", "triollm.llm", "triollm.server.protocol",
 ])
 def test_model_and_sync_engine_code_never_import_an_event_loop(module: str) -> None:
     assert forbidden(module, ("anyio", "trio", "asyncio")) == []
