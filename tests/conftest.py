@@ -48,15 +48,19 @@ def llama_path(tiny_models: dict[str, Path]) -> Path:
 
 POISON = 77
 POISON_MODELING = f'''
+import time
+
 from transformers import LlamaForCausalLM
 
 
 class PoisonLlamaForCausalLM(LlamaForCausalLM):
-    """Raises when the poison token reaches the model."""
+    """Raises when the poison token reaches the model. Each step also takes at least
+    10 ms, so streams are still running when a test sends the poison."""
 
     def forward(self, input_ids=None, **kwargs):
         if input_ids is not None and bool((input_ids == {POISON}).any()):
             raise RuntimeError("poison token reached the model")
+        time.sleep(0.01)
         return super().forward(input_ids=input_ids, **kwargs)
 '''
 

@@ -68,6 +68,9 @@ class EngineStatistics:
     num_open_streams: int
     num_preemptions: int
     num_steps: int
+    #: Prompt tokens looked up in the prefix cache since start, and how many were found.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -602,7 +605,15 @@ class AsyncLLMEngine:
             num_open_streams=len(self._channels),
             num_preemptions=stats.num_preemptions,
             num_steps=self._num_steps,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
         )
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (only while no request holds KV blocks; returns
+        whether it did)."""
+        await anyio.lowlevel.checkpoint()
+        return self._core.reset_prefix_cache() if self._core is not None else False
 
     @property
     def worker_thread_id(self) -> int | None:

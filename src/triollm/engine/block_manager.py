@@ -1,13 +1,23 @@
-"""Paged KV-cache blocks: a free list, reference counts and per-request block tables.
+"""Paged KV-cache blocks: a free queue, reference counts, per-request block tables and,
+with prefix caching, a map from block contents to the block that holds them.
 
 Block ids index the runner's KV tensors; this module never touches them. A block is
-referenced by every request whose table holds it and returns to the free list when
-its count drops to zero.
+referenced by every request whose table holds it and returns to the free queue when its
+count drops to zero.
+
+Automatic prefix caching (``enable_prefix_caching``): a block full of computed tokens
+is identified by a chained hash, ``hash((parent's hash, its token ids))``, so one hash
+names a whole prefix. A new request reuses every cached block of its longest cached
+prefix. A freed block keeps its contents and its hash while it waits in the free queue
+(it still counts as free); the queue is in eviction order (least recently freed first,
+a request's tail blocks before its head), and a block handed out again loses its hash
+then. Hashes are 64-bit: two different prefixes sharing one is possible in principle and
+vanishingly unlikely in practice (the same trade-off as vLLM's default).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 __all__ = ["BlockManager", "BlockManagerStatistics"]
@@ -18,6 +28,10 @@ class BlockManagerStatistics:
     num_blocks: int
     num_free_blocks: int
     num_requests: int
+    num_cached_blocks: int = 0
+    #: Prompt tokens looked up in the prefix cache, and how many were found.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def usage(self) -> float:
@@ -25,14 +39,21 @@ class BlockManagerStatistics:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *,
+                 enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self._cached: dict[int, int] = {}  # prefix hash -> block
+        self._block_hash: dict[int, int] = {}  # block -> prefix hash
+        self._request_hashes: dict[str, list[int]] = {}  # hashes of a request's full blocks
+        self._queries = 0
+        self._hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,23 +79,112 @@ class BlockManager:
             return False
         table = self._tables.setdefault(request_id, [])
         for _ in range(needed):
-            block = self._free.popleft()
+            block = self._take_free()
             self._ref_counts[block] += 1
             table.append(block)
         return True
 
     def free(self, request_id: str) -> None:
-        """Release every block the request holds (no-op for an unknown request)."""
+        """Release every block the request holds (no-op for an unknown request). Blocks
+        go to the back of the free queue tail first, so a prefix outlives its suffix."""
+        self._request_hashes.pop(request_id, None)
         for block in reversed(self._tables.pop(request_id, [])):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] < 0:
                 raise RuntimeError(f"block {block} freed more often than allocated")
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
+
+    def _take_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        prefix_hash = self._block_hash.pop(block, None)
+        if prefix_hash is not None:
+            del self._cached[prefix_hash]  # evicted: its contents will be overwritten
+        return block
+
+    # -- prefix caching ----------------------------------------------------------------
+
+    def attach_cached_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Give a request that holds no blocks the cached blocks of its longest cached
+        prefix; returns how many tokens they cover (always fewer than ``token_ids``, so
+        at least the last token is computed)."""
+        if not self.enable_prefix_caching or self._tables.get(request_id):
+            return 0
+        size = self.block_size
+        hashes: list[int] = []
+        blocks: list[int] = []
+        parent: int | None = None
+        # A full hit would leave nothing to compute: look at one token fewer.
+        for start in range(0, len(token_ids) - 1 - size + 1, size):
+            parent = hash((parent, tuple(token_ids[start:start + size])))
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            hashes.append(parent)
+            blocks.append(block)
+        self._queries += len(token_ids)
+        self._hits += len(blocks) * size
+        if not blocks:
+            return 0
+        for block in blocks:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        self._tables[request_id] = blocks
+        self._request_hashes[request_id] = hashes
+        return len(blocks) * size
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int],
+                          num_computed_tokens: int) -> None:
+        """Record the blocks that ``num_computed_tokens`` computed tokens now fill."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        hashes = self._request_hashes.setdefault(request_id, [])
+        size = self.block_size
+        full = min(num_computed_tokens // size, len(table))
+        while len(hashes) < full:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else None
+            prefix_hash = hash((parent, tuple(token_ids[index * size:(index + 1) * size])))
+            hashes.append(prefix_hash)
+            block = table[index]
+            if prefix_hash not in self._cached and block not in self._block_hash:
+                self._cached[prefix_hash] = block
+                self._block_hash[block] = prefix_hash
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix. Only while no request holds a block (as vLLM);
+        returns whether it did."""
+        if self._tables:
+            return False
+        self._cached.clear()
+        self._block_hash.clear()
+        return True
 
     def statistics(self) -> BlockManagerStatistics:
         return BlockManagerStatistics(
             num_blocks=self.num_blocks,
             num_free_blocks=len(self._free),
             num_requests=len(self._tables),
+            num_cached_blocks=len(self._cached),
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
         )
+
+    def check_invariants(self) -> None:
+        """Reference counts match the tables, free blocks are unreferenced, the cache maps
+        are each other's inverse (for tests)."""
+        counts = [0] * self.num_blocks
+        for table in self._tables.values():
+            for block in table:
+                counts[block] += 1
+        if counts != self._ref_counts:
+            raise AssertionError("reference counts do not match the block tables")
+        for block in range(self.num_blocks):
+            if (block in self._free) != (counts[block] == 0):
+                raise AssertionError(f"block {block} is free and referenced, or neither")
+        if {b: h for h, b in self._cached.items()} != self._block_hash:
+            raise AssertionError("the prefix cache maps disagree")

@@ -71,7 +71,9 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
-        self.block_manager = BlockManager(runner.num_kv_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(
+            runner.num_kv_blocks, config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.vocab_size = int(config.model.hf_config.vocab_size)
         self.max_model_len = config.model.max_model_len
@@ -345,6 +347,11 @@ class EngineCore:
             finish_reason=reason, e2e_latency=now - request.metrics.arrival_time,
             num_prompt_tokens=request.num_prompt_tokens,
             num_generation_tokens=request.num_output_tokens))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; only while no request holds blocks (returns
+        whether it did)."""
+        return self.block_manager.reset_prefix_cache()
 
     def take_stats(self) -> IterationStats:
         """The stats gathered since the last call (and start afresh)."""

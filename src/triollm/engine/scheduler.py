@@ -70,6 +70,8 @@ class SchedulerStatistics:
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -156,12 +158,20 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+                # Reuse the KV of the longest cached prefix (prompt logprobs need every
+                # position's logits, so those requests compute everything).
+                request.num_computed_tokens = self.block_manager.attach_cached_prefix(
+                    request.request_id, request.all_token_ids)
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
+                    self._detach(request)
                     break
                 num_new = budget
-            if not self.block_manager.allocate(request.request_id, num_new):
+            if not self.block_manager.allocate(request.request_id,
+                                               request.num_computed_tokens + num_new):
+                self._detach(request)
                 break
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
@@ -190,6 +200,12 @@ class Scheduler:
             sampling_params=request.sampling_params,
         )
 
+    def _detach(self, request: Request) -> None:
+        """A waiting request that could not be admitted gives back its cached blocks."""
+        if request.num_computed_tokens:
+            self.block_manager.free(request.request_id)
+            request.num_computed_tokens = 0
+
     def _pop_victim(self) -> Request:
         if self.config.policy == "priority":
             victim = max(self.running, key=_priority_key)
@@ -213,6 +229,8 @@ class Scheduler:
             request = self._queued.get(item.request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens += item.num_tokens
+                self.block_manager.cache_full_blocks(
+                    request.request_id, request.all_token_ids, request.num_computed_tokens)
 
     def statistics(self) -> SchedulerStatistics:
         self._drop_finished()
@@ -223,6 +241,8 @@ class Scheduler:
             num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_blocks,
             num_preemptions=self._num_preemptions,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
         )
 
 

@@ -86,7 +86,11 @@ class ServerSettings:
 
 @dataclass
 class ServerState:
-    """What the routes share: the engine, the settings and the server's lifecycle."""
+    """What the routes share: the engine, the settings and the server's lifecycle.
+
+    ``open_requests`` counts HTTP requests from their arrival to the last byte of their
+    response (kept by ``RequestLifetime``): a graceful shutdown waits for it to reach 0.
+    """
 
     engine: AsyncLLMEngine
     settings: ServerSettings
@@ -171,6 +175,13 @@ class RequestLifetime:
                 413, f"Request body larger than {self.state.settings.max_request_body_bytes}"
                 " bytes", "RequestTooLargeError"))
             return
+        self.state.request_started()
+        try:
+            await self._serve(scope, receive, send, body)
+        finally:
+            self.state.request_ended()
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         disconnected = anyio.Event()
         body_sent = False
 
@@ -476,7 +487,6 @@ def build_app(state: ServerState) -> ASGIApp:
         request_id = request_id_for(request, body, "cmpl")
         created = int(time.time())
         opened: list[AsyncIterator[RequestOutput]] = []
-        state.request_started()
         try:
             submitted = await _submit(state, prompts, params, request_id, body, opened)
             if body.stream:
@@ -485,10 +495,8 @@ def build_app(state: ServerState) -> ASGIApp:
             finals = await _final_outputs(submitted)
         except BaseException:
             await _close_all(opened)
-            state.request_ended()
             raise
         await _close_all(opened)
-        state.request_ended()
         choices = []
         for prompt_index, output in enumerate(finals):
             for completion in output.outputs:
@@ -535,7 +543,6 @@ def build_app(state: ServerState) -> ASGIApp:
         request_id = request_id_for(request, body, "chatcmpl")
         created = int(time.time())
         opened: list[AsyncIterator[RequestOutput]] = []
-        state.request_started()
         try:
             submitted = await _submit(state, [{"prompt_token_ids": list(token_ids)}], params,
                                       request_id, body, opened)
@@ -545,10 +552,8 @@ def build_app(state: ServerState) -> ASGIApp:
             [final] = await _final_outputs(submitted)
         except BaseException:
             await _close_all(opened)
-            state.request_ended()
             raise
         await _close_all(opened)
-        state.request_ended()
         choices = [ChatChoice(
             index=c.index, message=ChatMessageOut(content=c.text),
             logprobs=_chat_logprobs(c, top) if body.logprobs else None,
@@ -570,7 +575,6 @@ def build_app(state: ServerState) -> ASGIApp:
             raise bad_request(error) from error
         request_id = random_id("generate")
         stream = engine.generate(body.prompt, params, request_id)
-        state.request_started()
         try:
             try:
                 first = await anext(stream)
@@ -585,10 +589,8 @@ def build_app(state: ServerState) -> ASGIApp:
                 final = output
         except BaseException:
             await _close_all([stream])
-            state.request_ended()
             raise
         await _close_all([stream])
-        state.request_ended()
         return JSONResponse({"text": [body.prompt + c.text for c in final.outputs]})
 
     return RequestLifetime(app, state)
@@ -603,20 +605,17 @@ class _NullDelimitedStream(Response):
         self.state, self.stream, self.first = state, stream, first
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json")]})
-            async with aclosing(self.stream):  # type: ignore[type-var]
-                output: RequestOutput | None = self.first
-                while output is not None:
-                    prompt = output.prompt or ""
-                    chunk = json.dumps({"text": [prompt + c.text for c in output.outputs]})
-                    await send({"type": "http.response.body",
-                                "body": chunk.encode() + b"\0", "more_body": True})
-                    output = None if output.finished else await anext(self.stream, None)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            self.state.request_ended()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        async with aclosing(self.stream):  # type: ignore[type-var]
+            output: RequestOutput | None = self.first
+            while output is not None:
+                prompt = output.prompt or ""
+                chunk = json.dumps({"text": [prompt + c.text for c in output.outputs]})
+                await send({"type": "http.response.body",
+                            "body": chunk.encode() + b"\0", "more_body": True})
+                output = None if output.finished else await anext(self.stream, None)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
@@ -733,7 +732,7 @@ async def _run_stream(state: ServerState, opened: list[AsyncIterator[RequestOutp
                       emit: Callable[[Any], Awaitable[None]],
                       producers: list[Callable[[], Coroutine[Any, Any, None]]]) -> None:
     """Run the producers; an engine failure becomes a final error event. Always closes
-    the engine streams (aborting what is unfinished) and ends the request."""
+    the engine streams (aborting what is unfinished)."""
     try:
         try:
             async with anyio.create_task_group() as tasks:
@@ -749,6 +748,5 @@ async def _run_stream(state: ServerState, opened: list[AsyncIterator[RequestOutp
             await emit(_stream_error_event(error))
     finally:
         await _close_all(opened)
-        state.request_ended()
 
 

@@ -17,7 +17,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from triollm.engine.async_engine import AsyncLLMEngine, EngineStatistics
@@ -42,7 +42,7 @@ class _EngineGauges(Collector):
         self.engine = engine
         self.model_name = model_name
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.engine.statistics()
         used = stats.num_total_blocks - stats.num_free_blocks
         for name, documentation, value in (
@@ -56,6 +56,16 @@ class _EngineGauges(Collector):
                                        labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             yield family
+        for name, documentation, count in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             stats.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(f"triollm:{name}", documentation,
+                                          labels=["model_name"])
+            counter.add_metric([self.model_name], float(count))
+            yield counter
 
 
 class PrometheusStatLogger:
