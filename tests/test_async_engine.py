@@ -21,7 +21,7 @@ from triollm import (
     SamplingParams,
 )
 from triollm.model.loader import build_demo_tokenizer
-from triollm.testing import FakeModelRunner, fake_next_token
+from triollm.testing import FakeModelRunner, fake_completion
 
 pytestmark = pytest.mark.anyio
 
@@ -43,10 +43,7 @@ def params(max_tokens: int = 8, kind: RequestOutputKind = RequestOutputKind.DELT
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(fake_next_token(tokens[-1], len(tokens) - 1, VOCAB))
-    return tokens[len(prompt):]
+    return fake_completion(prompt, n, VOCAB)
 
 
 def assert_idle(engine: AsyncLLMEngine) -> None:

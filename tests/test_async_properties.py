@@ -40,7 +40,7 @@ from triollm import (
 )
 from triollm.engine.scheduler import SchedulerOutput
 from triollm.model.runner import RunnerOutput
-from triollm.testing import FakeModelRunner, fake_next_token
+from triollm.testing import FakeModelRunner, fake_completion
 
 VOCAB = 900  # below the demo config vocabulary (prompts are validated against it)
 EXAMPLES = Counter[str]()
@@ -76,10 +76,7 @@ scenarios = st.builds(
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(fake_next_token(tokens[-1], len(tokens) - 1, VOCAB))
-    return tokens[len(prompt):]
+    return fake_completion(prompt, n, VOCAB)
 
 
 def delivered_tokens(outcome: Outcome, kind: RequestOutputKind) -> list[int]:

@@ -17,7 +17,7 @@ from triollm import EngineArgs, SamplingParams
 from triollm.engine.core import EngineCore
 from triollm.engine.scheduler import SchedulerOutput
 from triollm.model.runner import RunnerOutput
-from triollm.testing import FakeModelRunner, fake_next_token
+from triollm.testing import FakeModelRunner, fake_completion
 
 VOCAB = 500
 MAX_MODEL_LEN = 96
@@ -46,12 +46,7 @@ class CheckingRunner(FakeModelRunner):
 
 
 def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        if len(tokens) >= MAX_MODEL_LEN:
-            break
-        tokens.append(fake_next_token(tokens[-1], len(tokens) - 1, VOCAB))
-    return tokens[len(prompt):]
+    return fake_completion(prompt, max_tokens, VOCAB, MAX_MODEL_LEN)
 
 
 def make_core(tokenizer: Any, *, budget: int, max_num_seqs: int, block_size: int,

@@ -27,6 +27,7 @@ __all__ = [
     "TINY_FAMILIES",
     "FakeModelRunner",
     "build_tiny_model",
+    "fake_completion",
     "fake_next_token",
     "tiny_config",
     "train_test_tokenizer",
@@ -41,6 +42,18 @@ EXTRA_FAMILIES = ("gemma2",)
 def fake_next_token(last_token: int, position: int, vocab_size: int) -> int:
     """The fake model's "prediction": deterministic, never the same token twice in a row."""
     return (last_token * 7 + position * 13 + 1) % vocab_size
+
+
+def fake_completion(prompt: list[int], max_tokens: int, vocab_size: int,
+                    max_model_len: int | None = None) -> list[int]:
+    """The tokens ``FakeModelRunner`` generates after ``prompt`` (``ignore_eos``), up to
+    ``max_tokens`` or until the sequence reaches ``max_model_len``."""
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        if max_model_len is not None and len(tokens) >= max_model_len:
+            break
+        tokens.append(fake_next_token(tokens[-1], len(tokens) - 1, vocab_size))
+    return tokens[len(prompt):]
 
 
 class FakeModelRunner:
