@@ -105,7 +105,7 @@ def _serve(namespace: argparse.Namespace) -> int:
         max_request_body_bytes=namespace.max_request_body_bytes,
         chat_template=chat_template, log_level=level.lower(),
         log_stats_interval=None if namespace.disable_log_stats else 10.0)
-    return serve_blocking(lambda: engine, options)
+    return serve_blocking(engine, options)
 
 
 def _add_serve_parser(commands: Any) -> None:

@@ -51,9 +51,10 @@ RunnerFactory = Callable[[], "ModelRunner"]
 
 
 class StatLogger(Protocol):
-    """Receives what each step did (see ``IterationStats``), on the event loop."""
+    """Receives what each step did (see ``IterationStats``), on the event loop. For the
+    engine's state at any moment, read ``engine.statistics()``."""
 
-    def record(self, stats: IterationStats, engine_stats: EngineStatistics) -> None: ...
+    def record(self, stats: IterationStats) -> None: ...
 _DEFAULT_STREAM_BUFFER = 1
 
 
@@ -444,9 +445,9 @@ class AsyncLLMEngine:
 
     def _record_stats(self) -> None:
         if self._stat_loggers and self._core is not None:
-            stats, engine_stats = self._core.take_stats(), self.statistics()
+            stats = self._core.take_stats()
             for stat_logger in self._stat_loggers:
-                stat_logger.record(stats, engine_stats)
+                stat_logger.record(stats)
 
     def _wake(self) -> None:
         if self._work_available is not None:

@@ -295,16 +295,21 @@ async def _submit(state: ServerState, prompts: Sequence[Any], params: SamplingPa
             prompt, params, sub_id, priority=body.priority,
             is_latency_sensitive=body.latency_sensitive, slo=body.slo)
         opened.append(stream)
-        try:
-            first = await anext(stream)
-        except ValueError as error:
-            raise bad_request(error) from error
-        except (EngineDeadError, EngineClosedError) as error:
-            raise engine_unavailable(error) from error
-        except StopAsyncIteration:
-            raise engine_unavailable(EngineClosedError("ended early")) from None
-        submitted.append(_Submitted(index, stream, first))
+        submitted.append(_Submitted(index, stream, await _first_output(stream)))
     return submitted
+
+
+async def _first_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """A new request's first output: adding it raises bad input as a 400, a dead or
+    closed engine as a 503."""
+    try:
+        return await anext(stream)
+    except ValueError as error:
+        raise bad_request(error) from error
+    except (EngineDeadError, EngineClosedError) as error:
+        raise engine_unavailable(error) from error
+    except StopAsyncIteration:
+        raise engine_unavailable(EngineClosedError("ended early")) from None
 
 
 async def _outputs(item: _Submitted) -> AsyncIterator[RequestOutput]:
@@ -548,7 +553,7 @@ def build_app(state: ServerState) -> ASGIApp:
                                       request_id, body, opened)
             if body.stream:
                 return EventStream(_chat_stream_writer(
-                    state, body, submitted[0], opened, request_id, created, model, top))
+                    body, submitted[0], opened, request_id, created, model, top))
             [final] = await _final_outputs(submitted)
         except BaseException:
             await _close_all(opened)
@@ -576,14 +581,9 @@ def build_app(state: ServerState) -> ASGIApp:
         request_id = random_id("generate")
         stream = engine.generate(body.prompt, params, request_id)
         try:
-            try:
-                first = await anext(stream)
-            except ValueError as error:
-                raise bad_request(error) from error
-            except (EngineDeadError, EngineClosedError) as error:
-                raise engine_unavailable(error) from error
+            first = await _first_output(stream)
             if body.stream:
-                return _NullDelimitedStream(state, stream, first)
+                return _NullDelimitedStream(stream, first)
             final = first
             async for output in stream:
                 final = output
@@ -599,10 +599,9 @@ def build_app(state: ServerState) -> ASGIApp:
 class _NullDelimitedStream(Response):
     """The seed's streaming /generate: cumulative texts as JSON, each followed by NUL."""
 
-    def __init__(self, state: ServerState, stream: AsyncIterator[RequestOutput],
-                 first: RequestOutput) -> None:
+    def __init__(self, stream: AsyncIterator[RequestOutput], first: RequestOutput) -> None:
         super().__init__(status_code=200, media_type="application/json")
-        self.state, self.stream, self.first = state, stream, first
+        self.stream, self.first = stream, first
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200,
@@ -676,7 +675,7 @@ def _completion_stream_writer(
                             stop_reason=completion.stop_reason).model_dump()]})
                 first = False
 
-        await _run_stream(state, opened, emit,
+        await _run_stream(opened, emit,
                           [functools.partial(one_prompt, item) for item in submitted])
         if include_usage:
             await emit({"id": request_id, "object": "text_completion", "created": created,
@@ -691,7 +690,7 @@ def _completion_stream_writer(
 
 
 def _chat_stream_writer(
-        state: ServerState, body: ChatCompletionRequest, item: _Submitted,
+        body: ChatCompletionRequest, item: _Submitted,
         opened: list[AsyncIterator[RequestOutput]], request_id: str, created: int,
         model: str, top: int) -> Callable[[Callable[[Any], Awaitable[None]]], Awaitable[None]]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -717,7 +716,7 @@ def _chat_stream_writer(
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason)]))
 
-        await _run_stream(state, opened, emit, [stream_choices])
+        await _run_stream(opened, emit, [stream_choices])
         if include_usage:
             total = counts["prompt"] + counts["completion"]
             await emit(chunk([], UsageInfo(prompt_tokens=counts["prompt"],
@@ -728,7 +727,7 @@ def _chat_stream_writer(
     return write
 
 
-async def _run_stream(state: ServerState, opened: list[AsyncIterator[RequestOutput]],
+async def _run_stream(opened: list[AsyncIterator[RequestOutput]],
                       emit: Callable[[Any], Awaitable[None]],
                       producers: list[Callable[[], Coroutine[Any, Any, None]]]) -> None:
     """Run the producers; an engine failure becomes a final error event. Always closes

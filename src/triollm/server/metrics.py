@@ -20,7 +20,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from triollm.engine.async_engine import AsyncLLMEngine, EngineStatistics
+from triollm.engine.async_engine import AsyncLLMEngine
 from triollm.engine.core import IterationStats
 
 __all__ = ["CONTENT_TYPE", "PrometheusStatLogger"]
@@ -105,7 +105,7 @@ class PrometheusStatLogger:
             labels, buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
             registry=registry).labels(model_name)
 
-    def record(self, stats: IterationStats, engine_stats: EngineStatistics) -> None:
+    def record(self, stats: IterationStats) -> None:
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:

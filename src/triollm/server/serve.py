@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import signal
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -160,9 +159,8 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def serve_blocking(engine_factory: Callable[[], AsyncLLMEngine], options: ServerOptions) -> int:
+def serve_blocking(engine: AsyncLLMEngine, options: ServerOptions) -> int:
     """Run the server under trio until it stops; the exit status."""
-    engine = engine_factory()
     try:
         trio.run(run_server, engine, options)
     except KeyboardInterrupt:
