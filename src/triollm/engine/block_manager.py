@@ -38,6 +38,11 @@ class BlockManagerStatistics:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
+def _chain_hash(parent: int | None, block_token_ids: list[int]) -> int:
+    """The hash naming a full block together with everything before it."""
+    return hash((parent, tuple(block_token_ids)))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *,
                  enable_prefix_caching: bool = False) -> None:
@@ -116,7 +121,7 @@ class BlockManager:
         parent: int | None = None
         # A full hit would leave nothing to compute: look at one token fewer.
         for start in range(0, len(token_ids) - 1 - size + 1, size):
-            parent = hash((parent, tuple(token_ids[start:start + size])))
+            parent = _chain_hash(parent, token_ids[start:start + size])
             block = self._cached.get(parent)
             if block is None:
                 break
@@ -148,7 +153,7 @@ class BlockManager:
         while len(hashes) < full:
             index = len(hashes)
             parent = hashes[-1] if hashes else None
-            prefix_hash = hash((parent, tuple(token_ids[index * size:(index + 1) * size])))
+            prefix_hash = _chain_hash(parent, token_ids[index * size:(index + 1) * size])
             hashes.append(prefix_hash)
             block = table[index]
             if prefix_hash not in self._cached and block not in self._block_hash:
