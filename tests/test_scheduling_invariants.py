@@ -1,8 +1,11 @@
 """Scheduler and block manager invariants over generated workloads (fake model runner).
 
 The fake runner's next token depends only on the sequence itself, so every request's
-output must be identical whatever the budget, batch size, block count, chunking,
-preemptions and aborts of other requests.
+output must be identical whatever the budget, batch size, block count, chunking, prefix
+caching, preemptions and aborts of other requests. The checking runner also keeps a
+pretend KV cache and checks that each step reads exactly its own sequence's KV from its
+block table, which is what makes reusing another request's cached blocks correct. As in
+a real model, the KV at a position stands for the whole sequence up to it.
 """
 
 from __future__ import annotations
@@ -29,20 +32,46 @@ class CheckingRunner(FakeModelRunner):
     def __init__(self, core_limits: dict[str, int], **kwargs: Any) -> None:
         super().__init__(vocab_size=VOCAB, **kwargs)
         self.limits = core_limits
-        self.slots_in_use: dict[int, str] = {}
+        #: (block, offset) -> the sequence up to and including the token of that slot.
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
+        #: Every token of each live request the runner has seen (prompt, then samples).
+        self.sequences: dict[str, list[int]] = {}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         scheduled = scheduler_output.scheduled
+        block_size = self.limits["block_size"]
+        for request_id in scheduler_output.finished_request_ids:
+            self.sequences.pop(request_id, None)
         assert sum(item.num_tokens for item in scheduled) <= self.limits["budget"]
         assert len({item.request_id for item in scheduled}) == len(scheduled)
-        owners: dict[int, str] = {}
+        written: dict[int, str] = {}
         for item in scheduled:
             end = item.start_position + item.num_tokens
-            assert len(item.block_table) * self.limits["block_size"] >= end
-            for block in item.block_table:
-                assert owners.setdefault(block, item.request_id) == item.request_id, \
-                    "two running requests share a block"
-        return super().execute_model(scheduler_output)
+            assert len(item.block_table) * block_size >= end
+            for position in range(item.start_position, end):
+                block = item.block_table[position // block_size]
+                assert written.setdefault(block, item.request_id) == item.request_id, \
+                    "two requests write one block in a step"
+        readers = {block for item in scheduled for block in item.block_table}
+        for item in scheduled:
+            sequence = self.sequences.setdefault(item.request_id,
+                                                 list(item.prompt_token_ids))
+            for position in range(item.start_position):
+                slot = (item.block_table[position // block_size], position % block_size)
+                assert self.kv.get(slot) == tuple(sequence[:position + 1]), \
+                    f"{item.request_id} reads the wrong KV at position {position}"
+        for item in scheduled:
+            sequence = self.sequences[item.request_id]
+            assert sequence[item.start_position:item.start_position + item.num_tokens] \
+                == item.token_ids
+            for position in range(item.start_position, item.start_position + item.num_tokens):
+                self.kv[(item.block_table[position // block_size],
+                         position % block_size)] = tuple(sequence[:position + 1])
+        assert not (set(written) - readers)
+        output = super().execute_model(scheduler_output)
+        for request_id, token in output.sampled_token_ids.items():
+            self.sequences[request_id].append(token)
+        return output
 
 
 def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
@@ -50,19 +79,25 @@ def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def make_core(tokenizer: Any, *, budget: int, max_num_seqs: int, block_size: int,
-              num_blocks: int, chunked: bool) -> tuple[EngineCore, CheckingRunner]:
+              num_blocks: int, chunked: bool, caching: bool = True,
+              policy: str = "fcfs") -> tuple[EngineCore, CheckingRunner]:
     args = EngineArgs(model="triollm/tiny-demo", max_model_len=MAX_MODEL_LEN,
                       max_num_batched_tokens=budget if chunked else max(budget, MAX_MODEL_LEN),
                       max_num_seqs=max_num_seqs, block_size=block_size,
-                      enable_chunked_prefill=chunked)
+                      enable_chunked_prefill=chunked, enable_prefix_caching=caching,
+                      scheduling_policy=policy)
     config = args.create_engine_config()
     runner = CheckingRunner({"budget": config.scheduler.max_num_batched_tokens,
                              "block_size": block_size}, num_kv_blocks=num_blocks)
     return EngineCore(config, runner, tokenizer), runner
 
 
+#: Prompts are drawn from a few shared openings, so prefix caching gets hits.
+_OPENINGS = [[7] * 9, [11, 12, 13, 14, 15, 16, 17], [7] * 4 + [8] * 4]
 request_strategy = st.tuples(
-    st.lists(st.integers(5, VOCAB - 1), min_size=1, max_size=40),  # prompt
+    st.tuples(st.sampled_from([[], *_OPENINGS]),
+              st.lists(st.integers(5, VOCAB - 1), max_size=30))
+    .map(lambda parts: parts[0] + parts[1]).filter(bool),  # prompt
     st.integers(1, 30),  # max_tokens
     st.integers(0, 12),  # arrival step
     st.one_of(st.none(), st.integers(0, 40)),  # abort at step
@@ -76,15 +111,16 @@ request_strategy = st.tuples(
     block_size=st.sampled_from([1, 2, 4, 16]),
     spare_blocks=st.integers(0, 40),
     chunked=st.booleans(),
+    caching=st.booleans(),
 )
 def test_outputs_are_independent_of_scheduling_and_blocks_never_leak(
     tokenizer: Any, requests: list[tuple[list[int], int, int, int | None]], budget: int,
-    max_num_seqs: int, block_size: int, spare_blocks: int, chunked: bool,
+    max_num_seqs: int, block_size: int, spare_blocks: int, chunked: bool, caching: bool,
 ) -> None:
     min_blocks = -(-MAX_MODEL_LEN // block_size)
     core, _runner = make_core(tokenizer, budget=budget, max_num_seqs=max_num_seqs,
                              block_size=block_size, num_blocks=min_blocks + spare_blocks,
-                             chunked=chunked)
+                             chunked=chunked, caching=caching)
     finals: dict[str, Any] = {}
     aborted: set[str] = set()
     step = 0

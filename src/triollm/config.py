@@ -153,7 +153,7 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_space_gb: float = 4.0
