@@ -101,6 +101,7 @@ request_strategy = st.tuples(
     st.integers(1, 30),  # max_tokens
     st.integers(0, 12),  # arrival step
     st.one_of(st.none(), st.integers(0, 40)),  # abort at step
+    st.integers(0, 2),  # priority under "priority"; latency-sensitive if 0 under "slo"
 )
 
 
@@ -112,26 +113,31 @@ request_strategy = st.tuples(
     spare_blocks=st.integers(0, 40),
     chunked=st.booleans(),
     caching=st.booleans(),
+    policy=st.sampled_from(["fcfs", "priority", "slo"]),
 )
 def test_outputs_are_independent_of_scheduling_and_blocks_never_leak(
-    tokenizer: Any, requests: list[tuple[list[int], int, int, int | None]], budget: int,
+    tokenizer: Any, requests: list[tuple[list[int], int, int, int | None, int]], budget: int,
     max_num_seqs: int, block_size: int, spare_blocks: int, chunked: bool, caching: bool,
+    policy: str,
 ) -> None:
     min_blocks = -(-MAX_MODEL_LEN // block_size)
     core, _runner = make_core(tokenizer, budget=budget, max_num_seqs=max_num_seqs,
                              block_size=block_size, num_blocks=min_blocks + spare_blocks,
-                             chunked=chunked, caching=caching)
+                             chunked=chunked, caching=caching, policy=policy)
     finals: dict[str, Any] = {}
     aborted: set[str] = set()
     step = 0
     pending = sorted(enumerate(requests), key=lambda item: item[1][2])
     while pending or core.has_unfinished_requests():
         while pending and pending[0][1][2] <= step:
-            index, (prompt, max_tokens, _, _) = pending.pop(0)
+            index, (prompt, max_tokens, _, _, rank) = pending.pop(0)
             core.add_request(str(index), {"prompt_token_ids": prompt},
                              SamplingParams(temperature=0, max_tokens=max_tokens,
-                                            ignore_eos=True, detokenize=False))
-        for index, (_, _, arrival, abort_at) in enumerate(requests):
+                                            ignore_eos=True, detokenize=False),
+                             priority=rank if policy == "priority" else 0,
+                             is_latency_sensitive=policy == "slo" and rank == 0,
+                             slo=1e-4 if policy == "slo" and rank == 0 else None)
+        for index, (_, _, arrival, abort_at, _) in enumerate(requests):
             if abort_at is not None and arrival + abort_at == step and str(index) not in finals:
                 for output in core.abort_requests([str(index)]):
                     aborted.add(output.request_id)
@@ -150,7 +156,7 @@ def test_outputs_are_independent_of_scheduling_and_blocks_never_leak(
     assert stats.num_free_blocks == stats.num_total_blocks
     assert core.block_manager.statistics().num_requests == 0
     assert len(finals) == len(requests)
-    for index, (prompt, max_tokens, _, _) in enumerate(requests):
+    for index, (prompt, max_tokens, _, _, _) in enumerate(requests):
         output = finals[str(index)].outputs[0]
         expected = expected_tokens(prompt, max_tokens)
         if str(index) in aborted:

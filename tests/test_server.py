@@ -243,6 +243,23 @@ def test_metrics_use_vllm_names_with_the_triollm_prefix(server: ThreadedServer,
         assert metric(server, name) > 0, name
 
 
+def test_slo_attainment_is_counted_per_request(server: ThreadedServer,
+                                              client: openai.OpenAI) -> None:
+    def count(outcome: str) -> float:
+        return metric(server, "triollm:request_slo_total", outcome=outcome)
+
+    attained, missed = count("attained"), count("missed")
+    client.completions.create(model=MODEL, prompt="count", max_tokens=4, temperature=0,
+                              extra_body={"ignore_eos": True, "is_latency_sensitive": "True",
+                                          "slo": 60.0, "ttft_slo": 60.0})
+    assert (count("attained"), count("missed")) == (attained + 1, missed)
+    client.completions.create(model=MODEL, prompt="count", max_tokens=4, temperature=0,
+                              extra_body={"ignore_eos": True, "slo": 1e-9})
+    assert (count("attained"), count("missed")) == (attained + 1, missed + 1)
+    client.completions.create(model=MODEL, prompt="count", max_tokens=4, temperature=0)
+    assert (count("attained"), count("missed")) == (attained + 1, missed + 1)
+
+
 # -- bad input ---------------------------------------------------------------------------
 
 def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
@@ -260,6 +277,7 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
         ("prompt too long", {"json": {**good, "prompt": [5] * MAX_MODEL_LEN}}, 400, "prompt"),
         ("empty prompt", {"json": {**good, "prompt": ""}}, 400, "prompt"),
         ("n too large", {"json": {**good, "n": 1000}}, 400, "n"),
+        ("non-positive ttft_slo", {"json": {**good, "ttft_slo": 0}}, 400, "ttft_slo"),
         ("unknown model", {"json": {**good, "model": "nope"}}, 404, "model"),
         ("body over the limit", {"json": {**good, "prompt": "x" * (BODY_LIMIT + 1)}}, 413,
          None),

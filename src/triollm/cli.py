@@ -34,7 +34,7 @@ _HELP = {
     "trust_remote_code": "allow a model directory's own modeling code",
     "enforce_eager": "accepted for vLLM compatibility (triollm always runs eagerly)",
     "tensor_parallel_size": "number of GPUs (only 1 for now)",
-    "scheduling_policy": "fcfs or priority",
+    "scheduling_policy": "fcfs, priority or slo (docs/scheduling.md)",
     "disable_log_requests": "do not log each request",
     "disable_log_stats": "do not log engine statistics periodically",
     "max_log_len": "longest prompt prefix printed in request logs",

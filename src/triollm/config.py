@@ -27,8 +27,8 @@ __all__ = [
 #: ``triollm serve`` and ``LLM()`` work on a fresh offline machine.
 DEMO_MODEL_NAME = "triollm/tiny-demo"
 
-SchedulingPolicy = Literal["fcfs", "priority"]
-_POLICIES = ("fcfs", "priority")
+SchedulingPolicy = Literal["fcfs", "priority", "slo"]
+_POLICIES = ("fcfs", "priority", "slo")
 _DTYPE_NAMES = {
     "float32": "float32",
     "float": "float32",

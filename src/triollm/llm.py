@@ -51,8 +51,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One finished ``RequestOutput`` per prompt, in input order."""
+        """One finished ``RequestOutput`` per prompt, in input order. ``priority`` (one
+        per prompt, lower first) needs ``scheduling_policy="priority"``."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams() for _ in prompt_list]
@@ -63,7 +66,15 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"sampling_params: got {len(params_list)} for "
                                  f"{len(prompt_list)} prompts")
-        return self._run(prompt_list, params_list, use_tqdm)
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority: got {len(priorities)} for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, priorities, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (between ``generate`` calls no request holds
+        blocks, so it always can; returns whether it did)."""
+        return self.engine.reset_prefix_cache()
 
     def chat(
         self,
@@ -86,15 +97,16 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, params in zip(ids, prompts, params_list, strict=True):
+            for request_id, prompt, params, priority in zip(ids, prompts, params_list,
+                                                            priorities, strict=True):
                 final_params = SamplingParams(**{**params._as_kwargs(),
                                                  "output_kind": RequestOutputKind.FINAL_ONLY})
-                engine.add_request(request_id, prompt, final_params)
+                engine.add_request(request_id, prompt, final_params, priority=priority)
                 added.append(request_id)
         except BaseException:
             engine.abort_requests(added)

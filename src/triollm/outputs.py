@@ -26,7 +26,8 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (``time.time()`` seconds) of one request's life."""
+    """Timestamps (``time.time()`` seconds) of one request's life, and how it did
+    against its latency targets."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -34,12 +35,31 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    #: The request's targets: seconds per output token, seconds to the first token.
+    slo: float | None = None
+    ttft_slo: float | None = None
+    #: Mean seconds between output tokens after the first (set when it finishes with at
+    #: least two tokens).
+    time_per_output_token: float | None = None
+    #: Whether it met every target it had (set when it finishes without abort; None if
+    #: it had no target).
+    slo_attained: bool | None = None
 
     @property
     def time_to_first_token(self) -> float | None:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    def judge_slo(self) -> bool | None:
+        """Whether the targets are met by what has been measured (None without targets)."""
+        if self.slo is None and self.ttft_slo is None:
+            return None
+        ttft = self.time_to_first_token
+        if self.ttft_slo is not None and (ttft is None or ttft > self.ttft_slo):
+            return False
+        tpot = self.time_per_output_token
+        return not (self.slo is not None and tpot is not None and tpot > self.slo)
 
 
 @dataclass

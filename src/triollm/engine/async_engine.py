@@ -482,6 +482,7 @@ class AsyncLLMEngine:
         trace_headers: Mapping[str, str] | None = None,
         is_latency_sensitive: bool = False,
         slo: float | None = None,
+        ttft_slo: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request.
 
@@ -489,13 +490,16 @@ class AsyncLLMEngine:
         (break, cancellation) aborts the request; close the generator promptly with
         ``contextlib.aclosing`` when breaking out. Raises ``ValueError`` for bad input,
         ``EngineDeadError`` if the engine died and ``EngineClosedError`` if it shut down.
-        ``is_latency_sensitive`` and ``slo`` (target seconds per output token) mark a
-        request for SLO-aware co-serving.
+        ``priority`` (lower first) needs ``scheduling_policy="priority"``.
+        ``is_latency_sensitive``, ``slo`` (target seconds per output token) and
+        ``ttft_slo`` (target seconds to the first token) mark a request for SLO-aware
+        co-serving under ``scheduling_policy="slo"``; whether it met them is in the final
+        output's ``metrics.slo_attained``.
         """
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported yet")
         channel = self._add_request(prompt, sampling_params, request_id, priority,
-                                    is_latency_sensitive, slo)
+                                    is_latency_sensitive, slo, ttft_slo)
         finished = False
         try:
             while True:
@@ -515,7 +519,8 @@ class AsyncLLMEngine:
 
     def _add_request(self, prompt: Any, params: SamplingParams, request_id: str,
                      priority: int, is_latency_sensitive: bool = False,
-                     slo: float | None = None) -> _RequestChannel:
+                     slo: float | None = None,
+                     ttft_slo: float | None = None) -> _RequestChannel:
         if self._dead_error is not None:
             raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
         core = self._core
@@ -527,7 +532,8 @@ class AsyncLLMEngine:
         if request_id in self._channels:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         core.add_request(request_id, prompt, params, priority=priority,
-                         is_latency_sensitive=is_latency_sensitive, slo=slo)
+                         is_latency_sensitive=is_latency_sensitive, slo=slo,
+                         ttft_slo=ttft_slo)
         channel = _RequestChannel(request_id, params.output_kind, self._stream_buffer_size,
                                   self._make_wakeup)
         self._channels[request_id] = channel

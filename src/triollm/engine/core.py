@@ -8,7 +8,7 @@ separately so that ``execute`` can run in the model thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,8 @@ class FinishedRequestStats:
     e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    #: Whether a request with an SLO kept to it (None for requests without one).
+    slo_attained: bool | None = None
 
 
 @dataclass
@@ -67,8 +69,12 @@ class _ParentRequest:
 class EngineCore:
     """Adds requests, runs steps, and turns the runner's tokens into ``RequestOutput``."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Any, *,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
+        #: Wall-clock seconds for request timestamps and step times (a test can pass a
+        #: simulated clock).
+        self.clock = clock
         self.runner = runner
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(
@@ -85,6 +91,7 @@ class EngineCore:
         #: so an offline run does not accumulate per-token latencies).
         self.collect_stats = False
         self._stats = IterationStats()
+        self._step_started = 0.0
 
     # -- requests ------------------------------------------------------------------
 
@@ -98,20 +105,26 @@ class EngineCore:
         priority: int = 0,
         is_latency_sensitive: bool = False,
         slo: float | None = None,
+        ttft_slo: float | None = None,
     ) -> None:
         """Validate and queue a request. Raises ``ValueError`` (and changes nothing) for a
-        bad prompt, bad parameters or a duplicate id."""
+        bad prompt, bad parameters or a duplicate id.
+
+        ``slo`` is a latency target in seconds per output token and ``ttft_slo`` one for
+        the first token; ``is_latency_sensitive`` requests are served first under the
+        ``slo`` scheduling policy, which also sizes steps to keep to their ``slo``."""
         if request_id in self._parents:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError("priority: a non-zero priority needs scheduling_policy='priority'")
-        if slo is not None and not slo > 0:
-            raise ValueError(f"slo: must be > 0 seconds per output token, got {slo!r}")
+        for name, value in (("slo", slo), ("ttft_slo", ttft_slo)):
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
         processed = process_prompt(prompt, self.tokenizer, max_model_len=self.max_model_len,
                                    vocab_size=self.vocab_size)
-        arrival = time.time() if arrival_time is None else arrival_time
+        arrival = self.clock() if arrival_time is None else arrival_time
         params.all_stop_token_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
@@ -121,7 +134,8 @@ class EngineCore:
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             child = Request(child_id, processed.token_ids, child_params, arrival,
                             priority=priority, index=index,
-                            is_latency_sensitive=is_latency_sensitive, slo=slo)
+                            is_latency_sensitive=is_latency_sensitive, slo=slo,
+                            ttft_slo=ttft_slo)
             if child_params.detokenize:
                 child.detokenizer = IncrementalDetokenizer(
                     self.tokenizer,
@@ -152,10 +166,9 @@ class EngineCore:
         # One call for all of them: the scheduler's removal scans its queues once.
         self.scheduler.finish_requests([c.request_id for c in running],
                                        RequestStatus.FINISHED_ABORTED)
-        now = time.time()
+        now = self.clock()
         for child in running:
-            child.metrics.finished_time = now
-            self._record_finished(child, RequestStatus.FINISHED_ABORTED.value, now)
+            self._finish(child, RequestStatus.FINISHED_ABORTED, now)
         outputs = []
         for parent in parents.values():
             output = self._make_output(parent, True)
@@ -186,8 +199,8 @@ class EngineCore:
         return self.process(scheduler_output, runner_output)
 
     def schedule(self) -> SchedulerOutput:
+        self._step_started = now = self.clock()
         output = self.scheduler.schedule()
-        now = time.time()
         for item in output.scheduled:
             metrics = self._requests[item.request_id].metrics
             if metrics.first_scheduled_time is None:
@@ -199,7 +212,8 @@ class EngineCore:
         """Apply a finished step: advance computed tokens, append the sampled tokens,
         detect stops, free what finished and build the outputs."""
         self.scheduler.update_computed_tokens(scheduler_output)
-        now = time.time()
+        now = self.clock()
+        self.scheduler.observe_step_time(scheduler_output, now - self._step_started)
         touched: dict[str, _ParentRequest] = {}
         finished: dict[RequestStatus, list[str]] = {}
         for item in scheduler_output.scheduled:
@@ -226,9 +240,7 @@ class EngineCore:
                 request.cumulative_logprob = previous + token_lp.logprobs[0]
             status = self._check_stop(request, token)
             if status is not None:
-                request.status = status  # final; the scheduler frees it below
-                request.metrics.finished_time = now
-                self._record_finished(request, status.value, now)
+                self._finish(request, status, now)  # the scheduler frees it below
                 finished.setdefault(status, []).append(request.request_id)
             parent = self._parent_of[request.request_id]
             touched[parent.request_id] = parent
@@ -340,13 +352,24 @@ class EngineCore:
         elif metrics.last_token_time is not None:
             stats.inter_token_latency.append(now - metrics.last_token_time)
 
-    def _record_finished(self, request: Request, reason: str, now: float) -> None:
-        if not self.collect_stats:
-            return
-        self._stats.finished.append(FinishedRequestStats(
-            finish_reason=reason, e2e_latency=now - request.metrics.arrival_time,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_generation_tokens=request.num_output_tokens))
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        """Mark a request finished, judge its SLO and record its statistics."""
+        request.status = status
+        metrics = request.metrics
+        metrics.finished_time = now
+        if request.num_output_tokens >= 2:
+            assert metrics.first_token_time is not None and metrics.last_token_time is not None
+            metrics.time_per_output_token = (
+                (metrics.last_token_time - metrics.first_token_time)
+                / (request.num_output_tokens - 1))
+        if status is not RequestStatus.FINISHED_ABORTED:
+            metrics.slo_attained = metrics.judge_slo()
+        if self.collect_stats:
+            self._stats.finished.append(FinishedRequestStats(
+                finish_reason=status.value, e2e_latency=now - metrics.arrival_time,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_generation_tokens=request.num_output_tokens,
+                slo_attained=metrics.slo_attained))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only while no request holds blocks (returns

@@ -51,20 +51,22 @@ class Request:
         index: int = 0,
         is_latency_sensitive: bool = False,
         slo: float | None = None,
+        ttft_slo: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.priority = priority
         self.index = index
-        #: Co-serving: a latency-sensitive request and its target seconds per output token.
+        #: Co-serving: a latency-sensitive request, its target seconds per output token
+        #: and, optionally, to its first token.
         self.is_latency_sensitive = is_latency_sensitive
         self.slo = slo
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.metrics = RequestMetrics(arrival_time=arrival_time, slo=slo, ttft_slo=ttft_slo)
         self.detokenizer: IncrementalDetokenizer | None = None
         self.logprobs: SampleLogprobs | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: PromptLogprobs | None = (

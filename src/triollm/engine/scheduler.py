@@ -2,20 +2,34 @@
 
 vLLM V1's rule: there are no prefill and decode phases. Each running request's
 computed tokens catch up with its total tokens under a per-step token budget, so
-prefill chunks and decodes share a step. When KV blocks run short, the newest
-running request (the lowest-priority one under ``priority``) is preempted: its blocks
-are freed and it recomputes later from its prompt and the tokens it already has.
+prefill chunks and decodes share a step. When KV blocks run short, the last running
+request in policy order is preempted: its blocks are freed and it recomputes later
+from its prompt and the tokens it already has.
+
+Policies (docs/scheduling.md):
+
+- ``fcfs``: arrival order; a preempted request goes back to the head of the queue.
+- ``priority``: lower ``priority`` first, arrival time breaks ties. A waiting request
+  that outranks a running one preempts it when batch slots or blocks are short.
+- ``slo``: latency-sensitive requests first, then the rest in arrival order, with
+  ``priority``'s preemption. While latency-sensitive requests with an SLO run, each
+  step is sized so that its predicted time (``StepTimeModel``, fitted online from
+  the measured steps) stays under the tightest of their SLOs; other requests fill
+  what is left. Without latency-sensitive requests it schedules as ``fcfs``.
+
 No torch, no event loop.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from triollm.engine.block_manager import BlockManager
 from triollm.engine.request import Request, RequestStatus
+from triollm.engine.step_time import StepShape, StepTimeModel, attention_pairs
 from triollm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -74,6 +88,74 @@ class SchedulerStatistics:
     prefix_cache_hits: int = 0
 
 
+#: Fraction of the tightest SLO a step is planned to take: the rest absorbs prediction
+#: error and the engine's own work between steps.
+SLO_HEADROOM = 0.8
+#: Tokens a step may add for requests without an SLO while the step-time model is still
+#: learning (it learns from every step, so this only matters just after start-up).
+UNFITTED_FILL_TOKENS = 32
+
+
+class _StepBudget:
+    """Tokens left in this step, and, under a time limit, room left in its predicted
+    time."""
+
+    def __init__(self, max_tokens: int, time_limit: float | None,
+                 model: StepTimeModel | None, *, chunked_prefill: bool) -> None:
+        self.tokens_left = max_tokens
+        self.chunked_prefill = chunked_prefill
+        self.time_limit = time_limit
+        self.model = model
+        self.num_tokens = 0
+        self.num_sequences = 0
+        self.attention = 0
+        self.unlimited_tokens_left = UNFITTED_FILL_TOKENS
+
+    def grant(self, request: Request, wanted: int) -> int:
+        """How many of ``wanted`` tokens ``request`` may compute in this step."""
+        limit = min(wanted, self.tokens_left)
+        if limit <= 0 or self.time_limit is None or self.model is None:
+            return limit
+        if request.is_latency_sensitive:
+            # Latency-sensitive work defines the limit; it only keeps prefill chunks
+            # from stretching the step beyond it (when prompts can be chunked at all).
+            if not self.chunked_prefill:
+                return limit
+            return max(1, self._fits(request.num_computed_tokens, limit))
+        if not self.model.is_fitted:
+            return min(limit, self.unlimited_tokens_left)
+        return self._fits(request.num_computed_tokens, limit)
+
+    def _fits(self, start: int, limit: int) -> int:
+        """The largest n <= limit whose addition keeps the predicted time in the limit."""
+        assert self.model is not None and self.time_limit is not None
+        if not self.model.is_fitted:
+            return limit
+        low, high = 0, limit
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._predict_with(start, middle) <= self.time_limit:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _predict_with(self, start: int, num_tokens: int) -> float:
+        assert self.model is not None
+        predicted = self.model.predict(StepShape(
+            self.num_tokens + num_tokens, self.num_sequences + 1,
+            self.attention + attention_pairs(start, num_tokens)))
+        return predicted if predicted is not None else 0.0
+
+    def take(self, request: Request, num_tokens: int) -> None:
+        self.tokens_left -= num_tokens
+        self.num_tokens += num_tokens
+        self.num_sequences += 1
+        self.attention += attention_pairs(request.num_computed_tokens, num_tokens)
+        if not request.is_latency_sensitive:
+            self.unlimited_tokens_left -= num_tokens
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -86,15 +168,24 @@ class Scheduler:
         self._queued: dict[str, Request] = {}
         #: Finished requests still in ``running`` / ``waiting`` (dropped lazily).
         self._num_stale = 0
+        #: Under ``priority`` and ``slo`` both queues are kept sorted by ``_rank``.
+        self._ranked = config.policy != "fcfs"
+        self.step_time_model: StepTimeModel | None = (
+            StepTimeModel() if config.policy == "slo" else None)
+
+    def _rank(self, request: Request) -> tuple[int, int, float]:
+        sensitive = self.config.policy == "slo" and request.is_latency_sensitive
+        return (0 if sensitive else 1, request.priority, request.metrics.arrival_time)
 
     # -- requests in and out -------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self._queued[request.request_id] = request
-        self.waiting.append(request)
-        if self.config.policy == "priority":
-            self.waiting.sort(key=_priority_key)
+        if self._ranked:
+            bisect.insort_right(self.waiting, request, key=self._rank)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Remove requests from the queues and free their blocks. Unknown ids are ignored.
@@ -129,33 +220,42 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._drop_finished()
-        budget = self.config.max_num_batched_tokens
+        max_tokens = self.config.max_num_batched_tokens
+        budget = _StepBudget(max_tokens, self._step_time_limit(), self.step_time_model,
+                             chunked_prefill=self.config.enable_chunked_prefill)
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        displaced = self._make_room_for_waiting() if self._ranked else []
 
+        # Running requests, in policy order. Victims come from the end of the list, so
+        # a victim has never been scheduled in this step (or is the request itself).
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget.tokens_left > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # cannot happen for a running request; guards an endless loop
+            wanted = request.num_tokens - request.num_computed_tokens
+            if wanted <= 0:  # cannot happen for a running request; guards an endless loop
                 raise RuntimeError(f"{request!r} is running with nothing to compute")
+            num_new = budget.grant(request, wanted)
+            if num_new == 0:  # no time left for it in this step; it waits one step
+                index += 1
+                continue
             while not self.block_manager.allocate(
                 request.request_id, request.num_computed_tokens + num_new
             ):
-                victim = self._pop_victim()
+                victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
                 scheduled.append(self._schedule(request, num_new))
-                budget -= num_new
+                budget.take(request, num_new)
                 index += 1
                 continue
             break
 
         # Like vLLM: admit nothing new in a step that had to preempt.
-        while (not preempted and self.waiting and budget > 0
+        while (not preempted and self.waiting and budget.tokens_left > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
@@ -163,29 +263,73 @@ class Scheduler:
                 # position's logits, so those requests compute everything).
                 request.num_computed_tokens = self.block_manager.attach_cached_prefix(
                     request.request_id, request.all_token_ids)
-            num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    self._detach(request)
-                    break
-                num_new = budget
+            wanted = request.num_tokens - request.num_computed_tokens
+            num_new = budget.grant(request, wanted)
+            if num_new < wanted and (num_new == 0 or not self.config.enable_chunked_prefill):
+                self._detach(request)
+                break
             if not self.block_manager.allocate(request.request_id,
                                                request.num_computed_tokens + num_new):
                 self._detach(request)
                 break
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self._ranked:
+                bisect.insort_right(self.running, request, key=self._rank)
+            else:
+                self.running.append(request)
             scheduled.append(self._schedule(request, num_new))
-            budget -= num_new
+            budget.take(request, num_new)
 
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(
             scheduled=scheduled,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            num_batched_tokens=max_tokens - budget.tokens_left,
             finished_request_ids=finished,
-            preempted_request_ids=preempted,
+            preempted_request_ids=displaced + preempted,
         )
+
+    def _step_time_limit(self) -> float | None:
+        """Under ``slo``: the time a step may take so that the latency-sensitive requests
+        (running, or waiting to be admitted first) keep to their SLO; None while none of
+        them has one."""
+        if self.step_time_model is None:
+            return None
+        tightest = None
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if not request.is_latency_sensitive:
+                    break  # both queues are in rank order: sensitive requests come first
+                if request.slo is not None and (tightest is None or request.slo < tightest):
+                    tightest = request.slo
+        return None if tightest is None else tightest * SLO_HEADROOM
+
+    def _make_room_for_waiting(self) -> list[str]:
+        """A waiting request that outranks the last running one preempts it while batch
+        slots or blocks are too short to admit the waiting one."""
+        displaced: list[str] = []
+        while self.waiting and self.running:
+            head, victim = self.waiting[0], self.running[-1]
+            if not self._rank(head) < self._rank(victim):
+                break
+            first_chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
+            if (len(self.running) < self.config.max_num_seqs
+                    and self.block_manager.blocks_for(first_chunk)
+                    <= self.block_manager.num_free_blocks):
+                break
+            self.running.pop()
+            self._preempt(victim)
+            displaced.append(victim.request_id)
+        return displaced
+
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """Feed a finished step's measured time to the step-time model (``slo`` only)."""
+        if self.step_time_model is None or not output.scheduled:
+            return
+        attention = sum(attention_pairs(item.start_position, item.num_tokens)
+                        for item in output.scheduled)
+        self.step_time_model.observe(
+            StepShape(output.num_batched_tokens, len(output.scheduled), attention), seconds)
 
     def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -206,22 +350,16 @@ class Scheduler:
             self.block_manager.free(request.request_id)
             request.num_computed_tokens = 0
 
-    def _pop_victim(self) -> Request:
-        if self.config.policy == "priority":
-            victim = max(self.running, key=_priority_key)
-            self.running.remove(victim)
-            return victim
-        return self.running.pop()
-
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self._num_preemptions += 1
-        self.waiting.insert(0, request)
-        if self.config.policy == "priority":
-            self.waiting.sort(key=_priority_key)
+        if self._ranked:
+            bisect.insort_left(self.waiting, request, key=self._rank)
+        else:
+            self.waiting.insert(0, request)
 
     def update_computed_tokens(self, output: SchedulerOutput) -> None:
         """After a step ran: the scheduled tokens now have their KV in the cache."""
@@ -244,7 +382,3 @@ class Scheduler:
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
         )
-
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    return (request.priority, request.metrics.arrival_time)

@@ -293,7 +293,8 @@ async def _submit(state: ServerState, prompts: Sequence[Any], params: SamplingPa
         sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
         stream = state.engine.generate(
             prompt, params, sub_id, priority=body.priority,
-            is_latency_sensitive=body.latency_sensitive, slo=body.slo)
+            is_latency_sensitive=body.latency_sensitive, slo=body.slo,
+            ttft_slo=body.ttft_slo)
         opened.append(stream)
         submitted.append(_Submitted(index, stream, await _first_output(stream)))
     return submitted

@@ -87,6 +87,12 @@ class PrometheusStatLogger:
                                        [*labels, "finished_reason"], registry=registry)
         for reason in ("stop", "length", "abort"):  # every series exists from the start
             self.request_success.labels(model_name, reason)
+        self.request_slo = Counter("triollm:request_slo",
+                                   "Finished requests that had a latency target (slo or "
+                                   "ttft_slo), by whether they met it.",
+                                   [*labels, "outcome"], registry=registry)
+        for outcome in ("attained", "missed"):
+            self.request_slo.labels(model_name, outcome)
         self.time_to_first_token = Histogram(
             "triollm:time_to_first_token_seconds", "Time to first token.", labels,
             buckets=_TTFT_BUCKETS, registry=registry).labels(model_name)
@@ -119,6 +125,9 @@ class PrometheusStatLogger:
             self.e2e_latency.observe(finished.e2e_latency)
             self.prompt_tokens_per_request.observe(finished.num_prompt_tokens)
             self.generation_tokens_per_request.observe(finished.num_generation_tokens)
+            if finished.slo_attained is not None:
+                outcome = "attained" if finished.slo_attained else "missed"
+                self.request_slo.labels(self.model_name, outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -77,9 +77,11 @@ class _SamplingRequest(BaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
-    # the seed's co-serving fields (the scheduling issue gives them effect)
+    # co-serving (the seed's fields): served first, and steps sized to keep to the SLO,
+    # under --scheduling-policy slo; ttft_slo is an optional first-token target
     is_latency_sensitive: bool | str = False
     slo: float | None = Field(default=None, gt=0)
+    ttft_slo: float | None = Field(default=None, gt=0)
     request_id: str | None = None
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
