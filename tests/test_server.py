@@ -278,6 +278,7 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
         ("empty prompt", {"json": {**good, "prompt": ""}}, 400, "prompt"),
         ("n too large", {"json": {**good, "n": 1000}}, 400, "n"),
         ("non-positive ttft_slo", {"json": {**good, "ttft_slo": 0}}, 400, "ttft_slo"),
+        ("priority under fcfs", {"json": {**good, "priority": 1}}, 400, "priority"),
         ("unknown model", {"json": {**good, "model": "nope"}}, 404, "model"),
         ("body over the limit", {"json": {**good, "prompt": "x" * (BODY_LIMIT + 1)}}, 413,
          None),
