@@ -286,24 +286,26 @@ def test_priority_needs_the_priority_policy_and_slo_must_be_positive() -> None:
 @pytest.mark.anyio
 async def test_async_engine_serves_higher_priority_first_and_reports_slo_attainment() -> None:
     runner = FakeModelRunner(256, VOCAB, step_delay=0.002)
-    args = AsyncEngineArgs(max_model_len=128, block_size=4, max_num_seqs=1,
+    args = AsyncEngineArgs(max_model_len=256, block_size=4, max_num_seqs=1,
                            scheduling_policy="priority", disable_log_requests=True)
     finished: list[str] = []
+    started = anyio.Event()
     async with AsyncLLMEngine.from_engine_args(args, runner_factory=lambda: runner) as engine:
 
-        async def one(name: str, priority: int) -> None:
-            async for output in engine.generate({"prompt_token_ids": [10] * 8}, _params(6),
-                                                name, priority=priority, slo=60.0):
+        async def one(name: str, priority: int, max_tokens: int) -> None:
+            async for output in engine.generate({"prompt_token_ids": [10] * 8},
+                                                _params(max_tokens), name, priority=priority,
+                                                slo=60.0):
+                started.set()
                 if output.finished:
                     assert output.metrics is not None
                     assert output.metrics.slo_attained is True
                     finished.append(name)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(one, "running", 9)
-            await anyio.sleep(0.01)  # it holds the only slot now
+            tg.start_soon(one, "running", 9, 150)
+            await started.wait()  # it holds the only slot now
             for name, priority in (("low", 5), ("high", 0), ("mid", 2)):
-                tg.start_soon(one, name, priority)
-                await anyio.lowlevel.checkpoint()
-    assert finished.index("high") < finished.index("mid") < finished.index("low")
-    assert finished.index("high") < finished.index("running")  # it was preempted
+                tg.start_soon(one, name, priority, 6)
+    # Each newcomer that outranks the holder of the slot preempts it.
+    assert finished == ["high", "mid", "low", "running"]

@@ -16,6 +16,9 @@ import pytest
 
 from server_helpers import ThreadedServer, server_in_thread
 from triollm import AsyncEngineArgs, AsyncLLMEngine
+from triollm.server.app import ServerSettings, ServerState, build_app
+from triollm.server.metrics import PrometheusStatLogger
+from triollm.testing import FakeModelRunner
 
 API_KEY = "sk-test-key"
 MODEL = "tiny"
@@ -364,3 +367,21 @@ def test_tls(tmp_path: Path, llama_path: Path) -> None:
         response = httpx.post(running.url + "/v1/completions", verify=False,
                               json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert response.status_code == 200 and response.json()["choices"]
+
+
+@pytest.mark.anyio
+async def test_new_requests_get_503_while_the_server_shuts_down() -> None:
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(disable_log_requests=True),
+                                             runner_factory=FakeModelRunner)
+    state = ServerState(engine=engine, settings=ServerSettings(served_model_names=("demo",)),
+                        metrics=PrometheusStatLogger(engine, "demo"), shutting_down=True)
+    transport = httpx.ASGITransport(app=build_app(state))
+    async with engine, httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        for path, body in (("/v1/completions", {"model": "demo", "prompt": "hi"}),
+                           ("/v1/chat/completions", {"model": "demo", "messages": [
+                               {"role": "user", "content": "hi"}]}),
+                           ("/generate", {"prompt": "hi"})):
+            response = await http.post(path, json=body)
+            assert response.status_code == 503, path
+            assert response.json()["error"]["type"] == "ServiceUnavailableError", path
+        assert (await http.get("/health")).status_code == 200  # the engine still runs

@@ -52,7 +52,9 @@ def test_a_model_crash_ends_every_stream_with_an_error_and_the_process_non_zero(
     assert "poison token reached the model" in process.output  # type: ignore[attr-defined]
 
 
-def test_sigterm_lets_requests_finish_then_exits_zero(llama_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_lets_requests_finish_then_exits_zero(llama_path: Path,
+                                                            signum: signal.Signals) -> None:
     with server_process(str(llama_path), "--dtype", "float32", "--max-model-len", "256",
                         "--num-gpu-blocks-override", "256") as (process, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -60,7 +62,7 @@ def test_sigterm_lets_requests_finish_then_exits_zero(llama_path: Path) -> None:
             model=str(llama_path), prompt="a long story", max_tokens=200, temperature=0,
             stream=True, extra_body={"ignore_eos": True})
         chunks = [next(iter(stream))]  # the request is in flight
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)
         chunks.extend(stream)  # ... and still runs to its end
         assert chunks[-1].choices[0].finish_reason == "length"
         assert process.wait(30) == 0

@@ -572,6 +572,8 @@ def build_app(state: ServerState) -> ASGIApp:
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
+        if state.shutting_down:
+            raise engine_unavailable(EngineClosedError("shutting down"))
         extra = dict(body.model_extra or {})
         try:
             params = SamplingParams(**extra)
