@@ -92,6 +92,9 @@ class EngineCore:
         self.collect_stats = False
         self._stats = IterationStats()
         self._step_started = 0.0
+        #: When the previous step's tokens were taken, if work was left to run straight
+        #: after it (None when the engine went idle).
+        self._previous_step_end: float | None = None
 
     # -- requests ------------------------------------------------------------------
 
@@ -213,7 +216,13 @@ class EngineCore:
         detect stops, free what finished and build the outputs."""
         self.scheduler.update_computed_tokens(scheduler_output)
         now = self.clock()
-        self.scheduler.observe_step_time(scheduler_output, now - self._step_started)
+        # The time a step costs its users is the time between consecutive steps' tokens:
+        # the model forward and the engine's own work on both sides of it (scheduling,
+        # output processing, delivery to the consumers). Only after an idle engine is
+        # it measured from this step's start.
+        started = self._previous_step_end
+        self.scheduler.observe_step_time(
+            scheduler_output, now - (self._step_started if started is None else started))
         touched: dict[str, _ParentRequest] = {}
         finished: dict[RequestStatus, list[str]] = {}
         for item in scheduler_output.scheduled:
@@ -255,6 +264,7 @@ class EngineCore:
                 outputs.append(output)
             if finished_now:
                 self._forget(parent)
+        self._previous_step_end = now if self.scheduler.has_unfinished_requests() else None
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
