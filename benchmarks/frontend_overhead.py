@@ -224,6 +224,10 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument("--tokens", type=int, default=16, help="tokens per request")
+    parser.add_argument("--min-outputs", type=int, default=25_600,
+                        help="raise the tokens per request at small N so that a run "
+                             "delivers at least this many outputs (a 16-token run at "
+                             "N = 100 lasts under 30 ms, as short as its noise)")
     parser.add_argument("--lag", type=float, default=None,
                         help="seconds each lagging consumer sleeps after every output "
                              "(default: --lag-steps times the queue design's step time)")
@@ -241,24 +245,24 @@ def main() -> None:
         return
     step_seconds: dict[int, float] = {}
     for lagging in (False, True):
-        title = "lagging consumers" if lagging else "consumers keeping up"
-        print(f"\n{title} ({args.tokens} tokens per request)")
+        print("\nlagging consumers" if lagging else "\nconsumers keeping up")
         for streams in args.streams:
+            tokens = max(args.tokens, -(-args.min_outputs // streams))
             lag = 0.0
             if lagging:
                 lag = args.lag if args.lag is not None else (
                     args.lag_steps * step_seconds[streams])
-                print(f" N = {streams}, {lag * 1000:.1f} ms per read")
+                print(f" N = {streams}, {tokens} tokens per request, {lag * 1000:.1f} ms "
+                      "per read")
             else:
-                print(f" N = {streams}")
-            queues = measure("queues/asyncio", streams, args.tokens, lag, args.repeats)
-            frozen = measure("queues+freeze", streams, args.tokens, lag, args.repeats)
+                print(f" N = {streams}, {tokens} tokens per request")
+            queues = measure("queues/asyncio", streams, tokens, lag, args.repeats)
+            frozen = measure("queues+freeze", streams, tokens, lag, args.repeats)
             if not lagging:
                 step_seconds[streams] = queues.seconds / max(queues.steps, 1)
             ratios = []
             for backend in ("asyncio", "trio"):
-                ours = measure(f"triollm/{backend}", streams, args.tokens, lag,
-                               args.repeats)
+                ours = measure(f"triollm/{backend}", streams, tokens, lag, args.repeats)
                 ratios.append(f"{backend} {queues.seconds / ours.seconds:.2f}x "
                               f"({frozen.seconds / ours.seconds:.2f}x vs queues+freeze)")
             print(f"  triollm vs queues: {', '.join(ratios)}")
