@@ -88,8 +88,8 @@ class SchedulerStatistics:
     prefix_cache_hits: int = 0
 
 
-#: Fraction of the tightest SLO a step is planned to take: the rest absorbs prediction
-#: error and the engine's own work between steps.
+#: Fraction of the tightest SLO a step is planned to take: the rest absorbs the scatter
+#: of real steps around the fitted step-time model.
 SLO_HEADROOM = 0.8
 #: Tokens a step may add for requests without an SLO while the step-time model is still
 #: learning (it learns from every step, so this only matters just after start-up).
