@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import random
 import statistics
 import tempfile
@@ -27,6 +26,7 @@ import anyio
 import torch
 import transformers
 
+from common import quantile, save_llama
 from triollm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 
 
@@ -52,20 +52,6 @@ class Outcome:
     @property
     def throughput(self) -> float:
         return self.output_tokens / self.elapsed
-
-
-def save_model(directory: str) -> None:
-    from triollm.testing import train_test_tokenizer
-
-    tokenizer = train_test_tokenizer()
-    config = transformers.LlamaConfig(  # ~85M parameters, as in the other benchmarks
-        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-        num_key_value_heads=12, vocab_size=len(tokenizer), max_position_embeddings=1024,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16) \
-        .save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
 
 
 def make_jobs(args: argparse.Namespace, vocab_size: int) -> list[Job]:
@@ -144,11 +130,6 @@ async def run_policy(path: str, args: argparse.Namespace, policy: str, jobs: lis
     return outcome
 
 
-def p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=100)
@@ -165,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as directory:
-        save_model(directory)
+        save_llama(directory)
         vocab = transformers.AutoConfig.from_pretrained(directory).vocab_size
         jobs = make_jobs(args, vocab)
         step = anyio.run(measure_decode_step, directory, args, backend="trio")
@@ -187,8 +168,8 @@ def main() -> None:
     for o in outcomes:
         print(f"| {o.policy} | {o.attained}/{o.sensitive} "
               f"({100 * o.attained / max(o.sensitive, 1):.0f}%) | "
-              f"{1000 * statistics.median(o.tpot):.1f} / {1000 * p(o.tpot, 0.99):.1f} ms | "
-              f"{1000 * statistics.median(o.ttft):.0f} / {1000 * p(o.ttft, 0.99):.0f} ms | "
+              f"{1000 * statistics.median(o.tpot):.1f} / {1000 * quantile(o.tpot, 0.99):.1f} ms | "
+              f"{1000 * statistics.median(o.ttft):.0f} / {1000 * quantile(o.ttft, 0.99):.0f} ms | "
               f"{statistics.median(o.batch_e2e):.1f} s | {o.throughput:.1f} | "
               f"{o.throughput / base.throughput:.2f}x |")
 

@@ -27,6 +27,7 @@ import anyio
 import torch
 import transformers
 
+from common import percentiles, save_llama
 from triollm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 
 
@@ -41,20 +42,6 @@ class Result:
     @property
     def throughput(self) -> float:
         return self.output_tokens / self.elapsed
-
-
-def save_model(directory: str) -> None:
-    from triollm.testing import train_test_tokenizer
-
-    tokenizer = train_test_tokenizer()
-    config = transformers.LlamaConfig(  # ~85M parameters, as in benchmarks/serving.py
-        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-        num_key_value_heads=12, vocab_size=len(tokenizer), max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16) \
-        .save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
 
 
 def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
@@ -108,13 +95,6 @@ async def run(path: str, prompts: list[list[int]], args: argparse.Namespace,
                   hit_rate)
 
 
-def describe(values: list[float]) -> str:
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-    return (f"mean {1000 * statistics.fmean(values):8.1f}  median "
-            f"{1000 * statistics.median(values):8.1f}  p99 {1000 * p99:8.1f} ms")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64)
@@ -131,7 +111,7 @@ def main() -> None:
           f"prefix, suffix {args.suffix_len[0]}-{args.suffix_len[1]}, "
           f"{args.output_len} output tokens each")
     with tempfile.TemporaryDirectory() as directory:
-        save_model(directory)
+        save_llama(directory, max_position_embeddings=2048)
         vocab = transformers.AutoConfig.from_pretrained(directory).vocab_size
         prompts = make_prompts(args, vocab)
         for rate in args.request_rate:
@@ -143,7 +123,7 @@ def main() -> None:
             off, on = results[False], results[True]
             print(f"\nrequest rate {rate}/s (after the first request)")
             for name, result in (("caching off", off), ("caching on ", on)):
-                print(f"  {name}: TTFT {describe(result.ttft)}; first request "
+                print(f"  {name}: TTFT {percentiles(result.ttft)}; first request "
                       f"{1000 * result.first_ttft:.1f} ms; {result.throughput:7.1f} "
                       f"output tok/s; prefix-cache hit rate {100 * result.hit_rate:.1f}%")
             print(f"  TTFT after the first, off/on: mean "

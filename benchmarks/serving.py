@@ -26,7 +26,6 @@ import math
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from dataclasses import dataclass, field
 
 import anyio
 import httpx
+
+from common import percentiles, save_llama
 
 
 @dataclass
@@ -54,15 +55,6 @@ class RequestResult:
         if self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
-def percentiles(values: list[float]) -> str:
-    if not values:
-        return "      n/a"
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-    return (f"mean {1000 * statistics.fmean(values):8.1f}  median "
-            f"{1000 * statistics.median(values):8.1f}  p99 {1000 * p99:8.1f} ms")
 
 
 async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str,
@@ -152,24 +144,6 @@ def make_workload(args: argparse.Namespace) -> list[tuple[str, int]]:
     return workload
 
 
-def save_model(directory: str) -> None:
-    import torch
-    import transformers
-
-    from triollm.testing import train_test_tokenizer
-
-    tokenizer = train_test_tokenizer()
-    config = transformers.LlamaConfig(
-        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-        num_key_value_heads=12, vocab_size=len(tokenizer), max_position_embeddings=1024,
-        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.generation_config.pad_token_id = 3
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -243,7 +217,7 @@ def main() -> None:
     if not args.launch:
         parser.error("give --base-url or --launch")
     with tempfile.TemporaryDirectory() as model_dir:
-        save_model(model_dir)
+        save_llama(model_dir, pad_token_id=3)
         for kind in args.launch:
             with launched(kind, model_dir, args.max_num_seqs) as (url, model):
                 for rate in args.request_rate:
