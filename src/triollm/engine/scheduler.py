@@ -314,8 +314,7 @@ class Scheduler:
                 break
             first_chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
             if (len(self.running) < self.config.max_num_seqs
-                    and self.block_manager.blocks_for(first_chunk)
-                    <= self.block_manager.num_free_blocks):
+                    and self.block_manager.can_allocate(head.request_id, first_chunk)):
                 break
             self.running.pop()
             self._preempt(victim)
