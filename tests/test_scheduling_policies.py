@@ -78,6 +78,11 @@ def test_attention_pairs_counts_causal_query_key_pairs() -> None:
     assert attention_pairs(10, 2) == 11 + 12
 
 
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                          detokenize=False)
+
+
 # -- a simulated engine ---------------------------------------------------------------
 
 
@@ -160,8 +165,7 @@ def run_simulation(policy: str, arrivals: list[Arrival]) -> tuple[dict[str, Requ
             sensitive = arrival.sensitive and policy != "fcfs"
             core.add_request(
                 arrival.request_id, {"prompt_token_ids": arrival.prompt},
-                SamplingParams(temperature=0, max_tokens=arrival.max_tokens, ignore_eos=True,
-                               detokenize=False),
+                _params(arrival.max_tokens),
                 priority=-1 if sensitive and policy == "priority" else 0,
                 is_latency_sensitive=arrival.sensitive, slo=SLO if arrival.sensitive else None,
                 ttft_slo=TTFT_SLO if arrival.sensitive else None)
@@ -210,8 +214,7 @@ def test_slo_policy_without_sensitive_requests_schedules_like_fcfs() -> None:
         core, _clock = make_core(policy)
         for arrival in arrivals:
             core.add_request(arrival.request_id, {"prompt_token_ids": arrival.prompt},
-                             SamplingParams(temperature=0, max_tokens=arrival.max_tokens,
-                                            ignore_eos=True, detokenize=False))
+                             _params(arrival.max_tokens))
         trace = []
         while core.has_unfinished_requests():
             output = core.schedule()
@@ -222,11 +225,6 @@ def test_slo_policy_without_sensitive_requests_schedules_like_fcfs() -> None:
 
 
 # -- priority -------------------------------------------------------------------------
-
-
-def _params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                          detokenize=False)
 
 
 @pytest.mark.parametrize("short_of", ["slots", "blocks"])
