@@ -84,9 +84,9 @@ async def run(path: str, prompts: list[list[int]], args: argparse.Namespace,
         await one(0, engine)
         async with anyio.create_task_group() as tg:
             for index in range(1, len(prompts)):
-                tg.start_soon(one, index, engine)
-                if math.isfinite(rate):
+                if index > 1 and math.isfinite(rate):  # gaps between arrivals, none after
                     await anyio.sleep(rng.expovariate(rate))
+                tg.start_soon(one, index, engine)
         elapsed = time.perf_counter() - start
         stats = engine.statistics()
         queries = stats.prefix_cache_queries

@@ -107,10 +107,12 @@ async def run_rate(url: str, model: str, workload: list[tuple[str, int]], rate: 
             results.append(await one_request(http, url, model, prompt, max_tokens))
 
         async with anyio.create_task_group() as tasks:
-            for prompt, max_tokens in workload:
-                tasks.start_soon(send, prompt, max_tokens)
-                if math.isfinite(rate):
+            for index, (prompt, max_tokens) in enumerate(workload):
+                # The gaps fall between arrivals only: a sleep after the last one would
+                # add dead time to the run and to every server's elapsed time alike.
+                if index and math.isfinite(rate):
                     await anyio.sleep(rng.expovariate(rate))
+                tasks.start_soon(send, prompt, max_tokens)
         elapsed = time.perf_counter() - start
     return results, elapsed
 

@@ -85,3 +85,27 @@ def test_logprobs_report_rank_and_top_k_of_the_raw_logits() -> None:
     assert entry.logprobs[0] == pytest.approx(math.log(PROBS[tokens[0]].item()), abs=1e-5)
     assert entry.ranks[0] == tokens[0] + 1  # PROBS is sorted descending
     assert entry.token_ids[1:] == [0, 1] and entry.ranks[1:] == [1, 2]
+
+
+def test_allowed_token_ids_restrict_sampling_and_greedy() -> None:
+    assert set(draw(SamplingParams(temperature=1.0, allowed_token_ids=[1, 3]))) == {1, 3}
+    greedy = SamplingParams(temperature=0, allowed_token_ids=[2, 3])
+    assert sample(LOGITS[None].clone(), [SamplingRow(greedy, None, [0], [])], None)[0] == [2]
+
+
+def test_logit_bias_is_added_before_greedy_and_sampling() -> None:
+    greedy = SamplingParams(temperature=0, logit_bias={3: 3.0})  # log .05 + 3 > log .5
+    assert sample(LOGITS[None].clone(), [SamplingRow(greedy, None, [0], [])], None)[0] == [3]
+    banned = draw(SamplingParams(temperature=1.0, logit_bias={0: -100.0}))
+    assert 0 not in banned and set(banned) == {1, 2, 3}
+
+
+def test_allowed_tokens_and_bias_leave_other_rows_and_raw_logprobs_alone() -> None:
+    biased = SamplingParams(temperature=0, logit_bias={3: 5.0}, logprobs=0)
+    plain = SamplingParams(temperature=0, logprobs=0)
+    rows = [SamplingRow(biased, None, [0], []), SamplingRow(plain, None, [0], [])]
+    tokens, logprobs = sample(LOGITS[None].repeat(2, 1), rows, None)
+    assert tokens == [3, 0]
+    biased_entry = logprobs[0]
+    assert biased_entry is not None  # logprobs are the model's, before the bias (as vLLM)
+    assert biased_entry.logprobs[0] == pytest.approx(math.log(0.05), abs=1e-5)

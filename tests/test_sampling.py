@@ -205,6 +205,19 @@ def test_presence_penalty_discourages_repeats(llm: LLM) -> None:
     assert len(set(out.token_ids)) >= len(set(plain))
 
 
+def test_allowed_token_ids_and_logit_bias_steer_a_real_batch(llm: LLM) -> None:
+    plain = greedy(llm, max_tokens=12)
+    allowed = [*sorted(set(plain[1:]))[:2], 40, 41]
+    restricted = SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True,
+                                allowed_token_ids=allowed)
+    forced = SamplingParams(temperature=0, max_tokens=12, logit_bias={77: 100.0})
+    outputs = llm.generate([PROMPT] * 3, [restricted, forced, SamplingParams(
+        temperature=0, max_tokens=12)], use_tqdm=False)
+    assert set(outputs[0].outputs[0].token_ids) <= set(allowed)
+    assert outputs[1].outputs[0].token_ids == [77] * 12
+    assert outputs[2].outputs[0].token_ids == plain  # the neighbours in the batch are untouched
+
+
 def test_n_samples_share_the_prompt(llm: LLM) -> None:
     out = llm.generate(PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10),
                        use_tqdm=False)[0]

@@ -126,6 +126,26 @@ def test_n_seed_logprobs_and_echo(client: openai.OpenAI) -> None:
     assert echoed.choices[0].text.startswith("Hello")
 
 
+def test_logit_bias_and_allowed_token_ids(server: ThreadedServer,
+                                         client: openai.OpenAI) -> None:
+    def token_text(token: int) -> str:
+        response = httpx.post(server.url + "/detokenize", json={"tokens": [token]})
+        return str(response.json()["prompt"])
+
+    forced = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5,
+                                       temperature=0, logit_bias={"77": 100}, logprobs=0,
+                                       extra_body={"ignore_eos": True})
+    assert forced.choices[0].logprobs is not None
+    assert forced.choices[0].logprobs.tokens == [token_text(77)] * 5
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+        temperature=1.0, seed=3, logprobs=True,
+        extra_body={"allowed_token_ids": [40, 41], "ignore_eos": True})
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content and len(content) == 6
+    assert {t.token for t in content} <= {token_text(40), token_text(41)}
+
+
 def test_batched_prompts(client: openai.OpenAI) -> None:
     result = client.completions.create(model=MODEL, prompt=["one", "two", "three"],
                                        max_tokens=4, n=2, temperature=0)
@@ -282,6 +302,13 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
         ("n too large", {"json": {**good, "n": 1000}}, 400, "n"),
         ("non-positive ttft_slo", {"json": {**good, "ttft_slo": 0}}, 400, "ttft_slo"),
         ("priority under fcfs", {"json": {**good, "priority": 1}}, 400, "priority"),
+        ("logit_bias key not a token id", {"json": {**good, "logit_bias": {"a": 1}}}, 400,
+         "logit_bias"),
+        ("logit_bias outside the vocabulary", {"json": {**good, "logit_bias": {"999999": 1}}},
+         400, "logit_bias"),
+        ("empty allowed_token_ids", {"json": {**good, "allowed_token_ids": []}}, 400,
+         "allowed_token_ids"),
+        ("best_of above n", {"json": {**good, "best_of": 3}}, 400, "best_of"),
         ("unknown model", {"json": {**good, "model": "nope"}}, 404, "model"),
         ("body over the limit", {"json": {**good, "prompt": "x" * (BODY_LIMIT + 1)}}, 413,
          None),

@@ -17,6 +17,8 @@ from triollm.model.loader import UnsupportedModelError
     ("min_p", 1.5), ("presence_penalty", 3.0), ("frequency_penalty", -3.0),
     ("repetition_penalty", 0.0), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1),
     ("prompt_logprobs", -1), ("seed", "x"), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("logit_bias", {"5": 1.0}), ("logit_bias", {5: float("nan")}), ("logit_bias", {-1: 1.0}),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-3]),
 ])
 def test_sampling_params_name_the_bad_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):
@@ -76,6 +78,15 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(
     assert not small_llm.engine.has_unfinished_requests()
     out = small_llm.generate("still works", SamplingParams(max_tokens=2), use_tqdm=False)
     assert out[0].finished
+
+
+@pytest.mark.parametrize("field", ["logit_bias", "allowed_token_ids"])
+def test_token_ids_outside_the_vocabulary_are_refused(small_llm: LLM, field: str) -> None:
+    outside = 10**6
+    value: Any = {outside: 1.0} if field == "logit_bias" else [1, outside]
+    with pytest.raises(ValueError, match=field):
+        small_llm.engine.add_request("v", "hi", SamplingParams(**{field: value}))
+    assert not small_llm.engine.has_unfinished_requests()
 
 
 def test_priority_needs_the_priority_policy(small_llm: LLM) -> None:

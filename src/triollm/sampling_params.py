@@ -7,6 +7,7 @@ vLLM runs unchanged. Every invalid value raises ``ValueError`` naming the field.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,10 @@ class SamplingParams:
     """How to pick the tokens of one request (vLLM's fields and defaults).
 
     ``temperature=0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``seed`` makes
-    one request's sampling reproducible whatever else is in the batch.
+    one request's sampling reproducible whatever else is in the batch. ``logit_bias``
+    adds to the logits of the given token ids (OpenAI's field; greedy rows see it too)
+    and ``allowed_token_ids`` restricts sampling to those ids; the engine refuses ids
+    outside the model's vocabulary.
     """
 
     n: int = 1
@@ -55,6 +59,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine: the tokenizer's end-of-sequence ids.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
@@ -67,6 +73,10 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.output_kind, int):
@@ -118,6 +128,31 @@ class SamplingParams:
             raise _fail("stop", "stop strings need detokenize=True")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise _fail("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _fail("logit_bias", "must map token ids to biases")
+            for token, bias in self.logit_bias.items():
+                if not is_int(token) or token < 0:
+                    raise _fail("logit_bias", f"keys must be token ids >= 0, got {token!r}")
+                if (not isinstance(bias, int | float) or isinstance(bias, bool)
+                        or not math.isfinite(bias)):
+                    raise _fail("logit_bias", f"bias for token {token} must be a finite "
+                                              f"number, got {bias!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise _fail("allowed_token_ids", "must not be empty")
+            if any(not is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise _fail("allowed_token_ids", "must contain only token ids >= 0")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Refuse ``logit_bias`` and ``allowed_token_ids`` entries outside a vocabulary
+        of ``vocab_size`` tokens (the engine calls this when a request arrives)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
+            outside = sorted(t for t in ids if t >= vocab_size)
+            if outside:
+                raise _fail(name, f"token ids {outside[:5]} are outside the vocabulary "
+                                  f"(size {vocab_size})")
 
     @property
     def is_greedy(self) -> bool:

@@ -125,6 +125,7 @@ class EngineCore:
         for name, value in (("slo", slo), ("ttft_slo", ttft_slo)):
             if value is not None and not (isinstance(value, int | float) and value > 0):
                 raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
+        params.check_token_ids(self.vocab_size)
         processed = process_prompt(prompt, self.tokenizer, max_model_len=self.max_model_len,
                                    vocab_size=self.vocab_size)
         arrival = self.clock() if arrival_time is None else arrival_time

@@ -1,11 +1,12 @@
 """Logits to tokens, batched in torch, with vLLM's sampling parameters.
 
 Order of operations (as vLLM): raw log-probabilities for the caller are taken from the
-model's logits before anything else; then min_tokens masks the stop tokens, penalties
-apply, greedy rows take the argmax and the rest are scaled by temperature, filtered by
-top-k, top-p and min-p and sampled. Sampling uses the exponential race
-(``argmax(p / E)`` with ``E ~ Exp(1)``), so a seeded row draws its noise from its own
-generator and gets the same token whatever else is in the batch.
+model's logits before anything else; then min_tokens masks the stop tokens,
+allowed_token_ids masks every other token, logit_bias is added and penalties apply;
+greedy rows take the argmax and the rest are scaled by temperature, filtered by top-k,
+top-p and min-p and sampled. Sampling uses the exponential race (``argmax(p / E)`` with
+``E ~ Exp(1)``), so a seeded row draws its noise from its own generator and gets the
+same token whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def sample(
 
     logits = logits.clone()
     _apply_min_tokens(logits, rows)
+    _apply_allowed_tokens_and_bias(logits, rows)
     _apply_penalties(logits, rows)
 
     tokens = torch.argmax(logits, dim=-1)
@@ -82,6 +84,22 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if len(row.output_token_ids) < params.min_tokens and params.all_stop_token_ids:
             blocked = [t for t in params.all_stop_token_ids if t < logits.shape[-1]]
             logits[i, blocked] = float("-inf")
+
+
+def _apply_allowed_tokens_and_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    device = logits.device
+    for i, row in enumerate(rows):
+        params = row.params
+        if params.allowed_token_ids is not None:
+            allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=device)
+            kept = logits[i, allowed]
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+            bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
+                                device=device)
+            logits[i, ids] += bias
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -482,6 +482,10 @@ def build_app(state: ServerState) -> ASGIApp:
         model = check_model(body.model)
         if body.suffix is not None:
             raise OpenAIError(400, "suffix: not supported", param="suffix")
+        if body.best_of not in (None, 1, body.n):
+            # vLLM's V1 engine dropped best_of too; n samples plus logprobs replace it.
+            raise OpenAIError(400, "best_of: not supported (use n and logprobs)",
+                              param="best_of")
         prompts = _prompts_of(body.prompt)
         try:
             params = body.sampling_params(

@@ -65,6 +65,7 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
@@ -76,6 +77,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
     priority: int = 0
     # co-serving (the seed's fields): served first, and steps sized to keep to the SLO,
     # under --scheduling-policy slo; ttft_slo is an optional first-token target
@@ -108,9 +110,25 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA if self.stream
             else RequestOutputKind.FINAL_ONLY,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        # OpenAI sends token ids as JSON object keys (strings); like vLLM, biases are
+        # clamped to OpenAI's [-100, 100].
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+            bias[token] = min(max(value, -100.0), 100.0)
+        return bias
 
     @property
     def latency_sensitive(self) -> bool:
