@@ -103,6 +103,31 @@ def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
     assert finals[-1] == "length" and all(f is None for f in finals[:-1])
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_count_up_in_every_chunk(client: openai.OpenAI,
+                                                        route: str) -> None:
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+    common: dict[str, Any] = {"model": MODEL, "max_tokens": 12, "temperature": 0,
+                              "stream": True, "stream_options": options,
+                              "extra_body": {"ignore_eos": True}}
+    if route == "chat":
+        chunks: list[Any] = list(client.chat.completions.create(
+            messages=[{"role": "user", "content": "Count."}], **common))
+    else:
+        chunks = list(client.completions.create(prompt="Once upon a time", **common))
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages)
+    completion = [u.completion_tokens for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 12
+    assert len({u.prompt_tokens for u in usages}) == 1
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    # without include_usage there is no usage at all, as in vLLM
+    plain = list(client.completions.create(prompt="Hi", model=MODEL, max_tokens=3,
+                                           stream=True,
+                                           stream_options={"continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    assert all(c.usage is None for c in plain)
+
+
 def test_n_seed_logprobs_and_echo(client: openai.OpenAI) -> None:
     result = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, n=3,
                                        seed=7, temperature=1.0, logprobs=2,

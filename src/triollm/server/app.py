@@ -343,8 +343,7 @@ async def _final_outputs(submitted: list[_Submitted]) -> list[RequestOutput]:
 def _usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+    return _usage_info(prompt, completion)
 
 
 def _completion_logprobs(completion: CompletionOutput, start_offset: int,
@@ -647,7 +646,7 @@ def _completion_stream_writer(
         state: ServerState, body: CompletionRequest, submitted: list[_Submitted],
         opened: list[AsyncIterator[RequestOutput]], request_id: str, created: int,
         model: str) -> Callable[[Callable[[Any], Awaitable[None]]], Awaitable[None]]:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    include_usage, continuous_usage = _usage_options(body)
     tokenizer = state.engine.tokenizer
 
     async def write(emit: Callable[[Any], Awaitable[None]]) -> None:
@@ -673,13 +672,17 @@ def _completion_stream_writer(
                         logprobs = _completion_logprobs(completion, offsets.get(index, 0),
                                                         None, tokenizer)
                         offsets[index] = offsets.get(index, 0) + len(completion.text)
-                    await emit({
+                    event = {
                         "id": request_id, "object": "text_completion", "created": created,
                         "model": model,
                         "choices": [CompletionChoice(
                             index=index, text=text, logprobs=logprobs,
                             finish_reason=completion.finish_reason,
-                            stop_reason=completion.stop_reason).model_dump()]})
+                            stop_reason=completion.stop_reason).model_dump()]}
+                    if continuous_usage:
+                        event["usage"] = _usage_info(prompt_tokens, completion_tokens
+                                                     ).model_dump()
+                    await emit(event)
                 first = False
 
         await _run_stream(opened, emit,
@@ -687,10 +690,7 @@ def _completion_stream_writer(
         if include_usage:
             await emit({"id": request_id, "object": "text_completion", "created": created,
                         "model": model, "choices": [],
-                        "usage": UsageInfo(prompt_tokens=prompt_tokens,
-                                           completion_tokens=completion_tokens,
-                                           total_tokens=prompt_tokens + completion_tokens
-                                           ).model_dump()})
+                        "usage": _usage_info(prompt_tokens, completion_tokens).model_dump()})
         await emit("[DONE]")
 
     return write
@@ -700,15 +700,17 @@ def _chat_stream_writer(
         body: ChatCompletionRequest, item: _Submitted,
         opened: list[AsyncIterator[RequestOutput]], request_id: str, created: int,
         model: str, top: int) -> Callable[[Callable[[Any], Awaitable[None]]], Awaitable[None]]:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    include_usage, continuous_usage = _usage_options(body)
+    counts = {"prompt": len(item.first.prompt_token_ids), "completion": 0}
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None
               ) -> dict[str, Any]:
+        if usage is None and continuous_usage:
+            usage = _usage_info(counts["prompt"], counts["completion"])
         return ChatCompletionChunk(id=request_id, created=created, model=model,
                                    choices=choices, usage=usage).model_dump(exclude_none=True)
 
     async def write(emit: Callable[[Any], Awaitable[None]]) -> None:
-        counts = {"prompt": len(item.first.prompt_token_ids), "completion": 0}
 
         async def stream_choices() -> None:
             await emit(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
@@ -725,13 +727,23 @@ def _chat_stream_writer(
 
         await _run_stream(opened, emit, [stream_choices])
         if include_usage:
-            total = counts["prompt"] + counts["completion"]
-            await emit(chunk([], UsageInfo(prompt_tokens=counts["prompt"],
-                                           completion_tokens=counts["completion"],
-                                           total_tokens=total)))
+            await emit(chunk([], _usage_info(counts["prompt"], counts["completion"])))
         await emit("[DONE]")
 
     return write
+
+
+def _usage_options(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """``(include_usage, continuous_usage)``: as in vLLM, per-chunk usage
+    (``continuous_usage_stats``) counts only together with ``include_usage``."""
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
+
+
+def _usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 async def _run_stream(opened: list[AsyncIterator[RequestOutput]],
