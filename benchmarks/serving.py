@@ -156,7 +156,8 @@ def free_port() -> int:
 def launched(kind: str, model_dir: str, max_num_seqs: int) -> Iterator[tuple[str, str]]:
     port = free_port()
     if kind == "triollm":
-        command = [sys.executable, "-m", "triollm", "serve", model_dir, "--port", str(port),
+        command = [sys.executable, "-m", "triollm", "serve", model_dir, "--host", "127.0.0.1",
+                   "--port", str(port),
                    "--dtype", "bfloat16", "--max-model-len", "1024",
                    "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", "512",
                    "--disable-log-requests", "--log-level", "warning"]

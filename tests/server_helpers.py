@@ -71,10 +71,11 @@ def server_in_thread(engine: AsyncLLMEngine, **options: Any) -> Iterator[Threade
 
 @contextmanager
 def server_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """``python -m triollm serve ARGS --port 0``; yields the process and its URL."""
+    """``python -m triollm serve ARGS --host 127.0.0.1 --port 0``; yields the process and
+    its URL."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "triollm", "serve", *args, "--port", "0"],
+        [sys.executable, "-m", "triollm", "serve", *args, "--host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = None
     lines = []

@@ -16,7 +16,7 @@ import pytest
 
 from server_helpers import ThreadedServer, server_in_thread
 from triollm import AsyncEngineArgs, AsyncLLMEngine
-from triollm.server.app import ServerSettings, ServerState, build_app
+from triollm.server.app import CorsSettings, ServerSettings, ServerState, build_app
 from triollm.server.metrics import PrometheusStatLogger
 from triollm.testing import FakeModelRunner
 
@@ -437,3 +437,50 @@ async def test_new_requests_get_503_while_the_server_shuts_down() -> None:
             assert response.status_code == 503, path
             assert response.json()["error"]["type"] == "ServiceUnavailableError", path
         assert (await http.get("/health")).status_code == 200  # the engine still runs
+
+
+# -- browsers ----------------------------------------------------------------------------
+
+def test_cors_by_default_any_origin_even_on_errors(server: ThreadedServer,
+                                                   client: openai.OpenAI) -> None:
+    """vLLM's defaults: any origin. A preflight needs no API key, and error responses carry
+    the CORS headers too, so a browser can read them."""
+    origin = {"Origin": "https://app.example"}
+    preflight = httpx.options(server.url + "/v1/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    ok = httpx.post(server.url + "/v1/completions", json=body,
+                    headers={**origin, "Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+    denied = httpx.post(server.url + "/v1/completions", json=body, headers=origin)
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-origin" not in httpx.get(server.url + "/health").headers
+
+
+@pytest.mark.anyio
+async def test_cors_restricted_to_the_allowed_origins() -> None:
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(disable_log_requests=True),
+                                             runner_factory=FakeModelRunner)
+    cors = CorsSettings(allowed_origins=("https://app.example",), allow_credentials=True)
+    state = ServerState(engine=engine, settings=ServerSettings(
+        served_model_names=("demo",), cors=cors), metrics=PrometheusStatLogger(engine, "demo"))
+    transport = httpx.ASGITransport(app=build_app(state))
+    async with engine, httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        def preflight(origin: str) -> dict[str, str]:
+            return {"Origin": origin, "Access-Control-Request-Method": "POST"}
+
+        allowed = await http.options("/v1/completions", headers=preflight("https://app.example"))
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+        assert allowed.headers["access-control-allow-credentials"] == "true"
+        refused = await http.options("/v1/completions", headers=preflight("https://evil.example"))
+        assert refused.status_code == 400
+        assert "access-control-allow-origin" not in refused.headers
+        response = await http.post("/v1/completions", json={"model": "demo", "prompt": "hi"},
+                                   headers={"Origin": "https://evil.example"})
+        assert response.status_code == 200  # CORS is the browser's check, not the server's
+        assert "access-control-allow-origin" not in response.headers

@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from triollm.config import AsyncEngineArgs, EngineArgs
 
-__all__ = ["add_engine_arguments", "engine_args_from_namespace", "main"]
+if TYPE_CHECKING:
+    from triollm.server.serve import ServerOptions
+
+__all__ = [
+    "add_engine_arguments",
+    "build_parser",
+    "engine_args_from_namespace",
+    "main",
+    "server_options_from_namespace",
+]
 
 _HELP = {
     "model": "model directory or hub id (default: the built-in demo model, random weights)",
@@ -84,28 +94,53 @@ def _serve(namespace: argparse.Namespace) -> int:
     import logging
 
     from triollm.engine.async_engine import AsyncLLMEngine
-    from triollm.server.serve import ServerOptions, serve_blocking
+    from triollm.server.serve import serve_blocking
 
     if namespace.model_tag is not None:
         namespace.model = namespace.model_tag
-    level = (namespace.log_level or namespace.uvicorn_log_level).upper()
-    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    options = server_options_from_namespace(namespace)
+    logging.basicConfig(level=options.log_level.upper(),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     args = engine_args_from_namespace(namespace, AsyncEngineArgs)
     engine = AsyncLLMEngine.from_engine_args(args)  # type: ignore[arg-type]  # validates first
+    return serve_blocking(engine, options)
+
+
+def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOptions:
+    """The server half of ``triollm serve``'s flags (the engine half is
+    ``engine_args_from_namespace``)."""
+    from triollm.server.serve import CorsSettings, ServerOptions
+
     chat_template = namespace.chat_template
     if chat_template is not None and "{" not in chat_template:
         with open(chat_template, encoding="utf-8") as file:
             chat_template = file.read()
-    served = args.served_model_name
-    options = ServerOptions(
-        host=namespace.host, port=namespace.port, api_key=namespace.api_key,
+    served = namespace.served_model_name
+    level = namespace.log_level or namespace.uvicorn_log_level
+    return ServerOptions(
+        host=namespace.host or "0.0.0.0", port=namespace.port, api_key=namespace.api_key,
         served_model_names=tuple([served] if isinstance(served, str) else served or []),
         ssl_keyfile=namespace.ssl_keyfile, ssl_certfile=namespace.ssl_certfile,
         shutdown_grace=namespace.shutdown_grace,
         max_request_body_bytes=namespace.max_request_body_bytes,
         chat_template=chat_template, log_level=level.lower(),
+        cors=CorsSettings(
+            allowed_origins=tuple(namespace.allowed_origins),
+            allow_credentials=namespace.allow_credentials,
+            allowed_methods=tuple(namespace.allowed_methods),
+            allowed_headers=tuple(namespace.allowed_headers)),
         log_stats_interval=None if namespace.disable_log_stats else 10.0)
-    return serve_blocking(engine, options)
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings like ["*"], got '
+                                         f"{text!r}")
+    return value
 
 
 def _add_serve_parser(commands: Any) -> None:
@@ -116,8 +151,9 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("model_tag", nargs="?", default=None,
                        help="model directory or hub id (same as --model)")
     server = serve.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
-                        "127.0.0.1; 0.0.0.0 for every interface)")
+    server.add_argument("--host", default=None,
+                        help="address to bind (default: every IPv4 interface, as vLLM; "
+                             "127.0.0.1 for this machine only)")
     server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     server.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on /v1 routes")
@@ -126,6 +162,14 @@ def _add_serve_parser(commands: Any) -> None:
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one "
                              "(default: the tokenizer's)")
+    server.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                        help='CORS: origins allowed, a JSON list (default: ["*"])')
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: allow credentials (cookies, Authorization)")
+    server.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                        help='CORS: methods allowed, a JSON list (default: ["*"])')
+    server.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                        help='CORS: headers allowed, a JSON list (default: ["*"])')
     server.add_argument("--shutdown-grace", type=float, default=30.0,
                         help="seconds in-flight requests may run after SIGINT/SIGTERM "
                              "(default: 30)")
@@ -140,7 +184,8 @@ def _add_serve_parser(commands: Any) -> None:
     add_engine_arguments(serve.add_argument_group("engine"), AsyncEngineArgs)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``triollm`` argument parser (``serve`` and ``generate``)."""
     parser = argparse.ArgumentParser(prog="triollm", description="LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(commands)
@@ -150,7 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     generate.add_argument("--temperature", type=float, default=0.8)
     generate.add_argument("--sampling-seed", type=int, default=None)
     add_engine_arguments(generate)
-    namespace = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    namespace = build_parser().parse_args(argv)
     try:
         handler: Any = {"generate": _generate, "serve": _serve}[namespace.command]
         return int(handler(namespace))

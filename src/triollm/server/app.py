@@ -31,6 +31,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.middleware.cors import CORSMiddleware
 
 import triollm
 from triollm.engine.async_engine import AsyncLLMEngine
@@ -77,11 +78,23 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 @dataclass(frozen=True)
+class CorsSettings:
+    """Cross-origin access for browser clients; vLLM's flags and defaults (any origin,
+    method and header; no credentials)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     max_request_body_bytes: int = 8 * 1024 * 1024
     chat_template: str | None = None
+    cors: CorsSettings = CorsSettings()
 
 
 @dataclass
@@ -599,7 +612,13 @@ def build_app(state: ServerState) -> ASGIApp:
         await _close_all([stream])
         return JSONResponse({"text": [body.prompt + c.text for c in final.outputs]})
 
-    return RequestLifetime(app, state)
+    # CORS is outermost: it answers preflight requests itself (they carry no API key)
+    # and adds its headers to every response, the 401s and 413s included.
+    cors = settings.cors
+    return cast(ASGIApp, CORSMiddleware(
+        cast(Any, RequestLifetime(app, state)), allow_origins=cors.allowed_origins,
+        allow_credentials=cors.allow_credentials, allow_methods=cors.allowed_methods,
+        allow_headers=cors.allowed_headers))
 
 
 class _NullDelimitedStream(Response):

@@ -31,10 +31,10 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from triollm.engine.async_engine import AsyncLLMEngine
-from triollm.server.app import ServerSettings, ServerState, build_app
+from triollm.server.app import CorsSettings, ServerSettings, ServerState, build_app
 from triollm.server.metrics import PrometheusStatLogger
 
-__all__ = ["ServerHandle", "ServerOptions", "run_server"]
+__all__ = ["CorsSettings", "ServerHandle", "ServerOptions", "run_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class ServerOptions:
     engine_death_grace: float = 2.0
     max_request_body_bytes: int = 8 * 1024 * 1024
     chat_template: str | None = None
+    cors: CorsSettings = field(default_factory=CorsSettings)
     log_level: str = "info"
     handle_signals: bool = True
     #: Seconds between engine statistics log lines (vLLM: 10); None turns them off.
@@ -86,7 +87,7 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
     state = ServerState(engine, ServerSettings(
         served_model_names=tuple(names), api_key=options.api_key,
         max_request_body_bytes=options.max_request_body_bytes,
-        chat_template=options.chat_template), metrics)
+        chat_template=options.chat_template, cors=options.cors), metrics)
     app = build_app(state)
     config = Config()
     config.bind = [f"{_bracket(options.host)}:{options.port}"]
