@@ -9,7 +9,9 @@ greedy) for three engines:
   tokens each request asked for;
 * transformers' own continuous batching, the manager behind ``model.generate_batch``,
   given each request's own ``max_new_tokens`` (``generate_batch`` itself takes a
-  single length for all requests, which would make it do more work than is counted).
+  single length for all requests, which would make it do more work than is counted);
+* on request (``--engines triollm triollm-eager``), triollm with ``enforce_eager``:
+  decode attention gathers KV blocks for SDPA instead of the compiled kernel.
 
 Reported: output tokens/s, ratios, and the fraction of the compute bound, i.e.
 2 x parameters x tokens processed (prompt + output) over the bf16 matmul rate the
@@ -22,6 +24,7 @@ script measures on this machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import random
@@ -94,9 +97,10 @@ def save_model(name: str, directory: str, seed: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_triollm(path: str, workload: Workload, max_num_seqs: int) -> float:
+def run_triollm(path: str, workload: Workload, max_num_seqs: int,
+                enforce_eager: bool = False) -> float:
     llm = LLM(path, dtype="bfloat16", max_num_seqs=max_num_seqs, max_model_len=1024,
-              max_num_batched_tokens=512, kv_cache_space_gb=2)
+              max_num_batched_tokens=512, kv_cache_space_gb=2, enforce_eager=enforce_eager)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in workload.output_lens]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
@@ -185,7 +189,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"bf16 2048^3 matmul: {rate / 1e9:.0f} GFLOP/s")
     runners: dict[str, Callable[[str, Workload, int], float]] = {
-        "triollm": run_triollm, "static": run_static, "hf-cb": run_hf_continuous}
+        "triollm": run_triollm, "static": run_static, "hf-cb": run_hf_continuous,
+        "triollm-eager": functools.partial(run_triollm, enforce_eager=True)}
     import tempfile
 
     for name in args.models:
@@ -201,7 +206,7 @@ def main() -> None:
             for engine in args.engines:
                 elapsed = runners[engine](directory, workload, args.max_num_seqs)
                 results[engine] = workload.output_tokens / elapsed
-                print(f"  {engine:8s} {elapsed:7.1f} s  {results[engine]:8.1f} output tok/s  "
+                print(f"  {engine:13s} {elapsed:7.1f} s  {results[engine]:8.1f} output tok/s  "
                       f"{bound / elapsed:6.1%} of compute bound", flush=True)
             if "triollm" in results:
                 for engine, value in results.items():

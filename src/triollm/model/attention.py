@@ -4,9 +4,12 @@ The model runs one forward per engine step over a flattened ``[1, T]`` batch. To
 of single-token queries (decodes) come first, then prefill chunks. Each call writes
 the step's keys and values into the paged cache at ``slot_mapping`` and attends:
 
-* decodes, sorted by context length into groups of similar length, in one batched
-  SDPA call per group over their gathered blocks (gathered into a reused workspace,
-  which on CPU is several times cheaper than a fresh tensor);
+* decodes, sorted by context length into groups of similar length, one batched call
+  per group. On CPU that call is ``paged_decode_attention`` compiled by
+  ``torch.compile``: the block lookup is fused into the attention's reductions, so the
+  keys and values are read once, in place (about 1.8x faster than copying the blocks
+  out first). With ``enforce_eager``, on CUDA, or when compilation fails, the group's
+  blocks are gathered into a reused workspace and handed to SDPA;
 * each prefill chunk on its own, causally, over its cached prefix plus itself.
 
 The per-step metadata travels as the ``triollm_metadata`` keyword through the model
@@ -15,6 +18,8 @@ call, which transformers passes down to every attention layer; there is no globa
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +34,9 @@ __all__ = [
     "PagedKVCache",
     "PrefillChunk",
     "ProfileRecorder",
+    "compiled_paged_decode_attention",
     "paged_attention_forward",
+    "paged_decode_attention",
 ]
 
 ATTENTION_NAME = "triollm_paged"
@@ -134,6 +141,9 @@ class DecodeGroup:
         return mask
 
 
+DecodeKernel = Callable[..., torch.Tensor]
+
+
 @dataclass
 class PagedAttentionMetadata:
     kv_cache: PagedKVCache | None
@@ -141,6 +151,8 @@ class PagedAttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     profile: ProfileRecorder | None = None
+    #: ``paged_decode_attention``'s signature; None: gather the blocks, then SDPA.
+    decode_kernel: DecodeKernel | None = None
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
@@ -189,6 +201,79 @@ def _attend(
     return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
 
 
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Single-token queries ``[B, Hq, D]`` over their sequences' blocks, read in place.
+
+    ``block_tables`` is ``[B, max_blocks]`` (padded with any valid block id) and
+    ``context_lens`` ``[B]``. Written so that ``torch.compile`` fuses the block lookup
+    into the two reductions; run eagerly it is correct but materialises the lookups."""
+    batch, max_blocks = block_tables.shape
+    kv_heads, _, block_size, dim = key_cache.shape
+    groups = query.shape[1] // kv_heads
+    length = max_blocks * block_size
+    q = query.reshape(batch, kv_heads, groups, dim).permute(1, 0, 2, 3)  # [Hkv, B, G, D]
+    keys = key_cache[:, block_tables]  # [Hkv, B, max_blocks, block_size, D]
+    scores = (q[:, :, :, None, None, :] * keys[:, :, None]).sum(-1)
+    scores = scores.reshape(kv_heads, batch, groups, length) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    positions = torch.arange(length, device=query.device)[None, :]
+    context = context_lens[:, None]
+    visible = positions < context
+    if sliding_window is not None:
+        visible = visible & (positions > context - 1 - sliding_window)
+    scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).reshape(
+        kv_heads, batch, groups, max_blocks, block_size, 1)
+    values = value_cache[:, block_tables][:, :, None]  # [Hkv, B, 1, max_blocks, bs, D]
+    out = (weights * values).sum(dim=(3, 4))  # [Hkv, B, G, D]
+    return out.permute(1, 0, 2, 3).reshape(batch, kv_heads * groups, dim)
+
+
+@functools.cache
+def _compiled_decode() -> DecodeKernel:
+    return torch.compile(paged_decode_attention, dynamic=True)
+
+
+def compiled_paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``paged_decode_attention`` through ``torch.compile`` (one process-wide compiled
+    function, dynamic in batch and table width)."""
+    query = query.contiguous()  # its strides vary with the step's size: a guard each
+    batch, max_blocks = block_tables.shape
+    if batch < 2 or max_blocks < 2:
+        # Sizes 0 and 1 are specialised by torch.compile and would each cost a compile;
+        # pad to 2 with a harmless extra row (context 1) or table column (masked out).
+        rows, columns = max(batch, 2), max(max_blocks, 2)
+        tables = block_tables.new_zeros(rows, columns)
+        tables[:batch, :max_blocks] = block_tables
+        lens = context_lens.new_ones(rows)
+        lens[:batch] = context_lens
+        padded = query.new_zeros(rows, *query.shape[1:])
+        padded[:batch] = query
+        return _compiled_decode()(padded, key_cache, value_cache, tables, lens, scale,
+                                  sliding_window, softcap)[:batch]
+    return _compiled_decode()(query, key_cache, value_cache, block_tables, context_lens,
+                              scale, sliding_window, softcap)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -233,6 +318,12 @@ def paged_attention_forward(
     out = torch.empty_like(q)
     block_size = key_cache.shape[2]
     for group in meta.decode_groups:
+        if meta.decode_kernel is not None:
+            out[:, group.start:group.end] = meta.decode_kernel(
+                q[:, group.start:group.end].transpose(0, 1), key_cache, value_cache,
+                group.block_tables, group.context_lens, scale, sliding_window, softcap,
+            ).transpose(0, 1)
+            continue
         batch, max_blocks = group.block_tables.shape
         flat = group.block_tables.reshape(-1)
         length = max_blocks * block_size

@@ -19,11 +19,13 @@ from triollm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from triollm.model.attention import (
     ATTENTION_NAME,
     DecodeGroup,
+    DecodeKernel,
     KVCacheSpec,
     PagedAttentionMetadata,
     PagedKVCache,
     PrefillChunk,
     ProfileRecorder,
+    compiled_paged_decode_attention,
 )
 from triollm.model.loader import load_model
 from triollm.model.runner import RunnerOutput, TokenLogprobs
@@ -71,9 +73,13 @@ class TorchModelRunner:
         self.generator.manual_seed(model_config.seed)
         self._requests: dict[str, _RequestState] = {}
         specs = self._profile()
+        self.kv_cache_specs = list(specs.values())
         self.num_kv_blocks = self._num_blocks(specs)
         self.kv_cache = PagedKVCache(specs, self.num_kv_blocks, self.block_size,
                                      self.cache_dtype, self.device)
+        self.decode_kernel: DecodeKernel | None = None
+        if self.device.type == "cpu" and not model_config.enforce_eager:
+            self.decode_kernel = self._compile_decode_attention()
 
     # -- set-up --------------------------------------------------------------------
 
@@ -96,6 +102,36 @@ class TorchModelRunner:
         if not recorder.layers:
             raise RuntimeError("the model never called its attention interface")
         return recorder.layers
+
+    @torch.inference_mode()
+    def _compile_decode_attention(self) -> DecodeKernel | None:
+        """Compile the fused decode attention now, for every layer's shape, with a
+        forward of two dummy decodes (block 0's slots get overwritten before any
+        request reads them). A failure (no C++ compiler, say) leaves the gather path."""
+        # torch.compile ties sizes that are equal when it compiles ("duck sizing") and
+        # compiles again once they differ, so the dummy batch and table width must not
+        # equal any of the cache's or the model's dimensions.
+        taken = {self.num_kv_blocks, self.block_size, *(
+            size for spec in self.kv_cache_specs for size in (spec.num_kv_heads,
+                                                             spec.head_dim))}
+        taken |= {int(getattr(self.config.model.hf_config, "num_attention_heads", 0))}
+        rows, columns = [n for n in (5, 7, 11, 13, 17, 19, 23, 29, 31) if n not in taken][:2]
+        metadata = PagedAttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.arange(rows, dtype=torch.long, device=self.device),
+            decode_groups=self._decode_groups([[0] * columns] * rows,
+                                              list(range(rows, 0, -1))),
+            decode_kernel=compiled_paged_decode_attention,
+        )
+        try:
+            self.model(input_ids=torch.zeros(1, rows, dtype=torch.long, device=self.device),
+                       position_ids=torch.arange(rows - 1, -1, -1, device=self.device)[None],
+                       use_cache=False, logits_to_keep=1, triollm_metadata=metadata)
+        except Exception as error:  # compilation needs a working C++ toolchain
+            logger.warning("compiling the decode attention failed (%s: %s); running it "
+                           "eagerly", type(error).__name__, error)
+            return None
+        return compiled_paged_decode_attention
 
     def _num_blocks(self, specs: dict[int, KVCacheSpec]) -> int:
         cache = self.config.cache
@@ -204,6 +240,7 @@ class TorchModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             decode_groups=self._decode_groups(decode_tables, decode_lens),
             prefills=prefills,
+            decode_kernel=self.decode_kernel,
         )
         return (
             metadata,
