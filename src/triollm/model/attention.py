@@ -115,6 +115,16 @@ class PrefillChunk:
         return self.query_end - self.query_start
 
 
+def _visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor,
+                 sliding_window: int | None) -> torch.Tensor:
+    """Which keys a query may attend to (broadcast): none after it and, with a sliding
+    window, only the ``sliding_window`` latest, itself included."""
+    visible = key_positions <= query_positions
+    if sliding_window is not None:
+        visible = visible & (key_positions > query_positions - sliding_window)
+    return visible
+
+
 @dataclass
 class DecodeGroup:
     """Single-token queries ``[start, end)`` of the flat batch whose contexts are of
@@ -132,10 +142,7 @@ class DecodeGroup:
         if mask is None:
             length = self.block_tables.shape[1] * block_size
             positions = torch.arange(length, device=self.block_tables.device)[None, :]
-            context = self.context_lens[:, None]
-            mask = positions < context
-            if sliding_window is not None:
-                mask &= positions > context - 1 - sliding_window
+            mask = _visible_keys(positions, self.context_lens[:, None] - 1, sliding_window)
             mask = mask[:, None, None, :]
             self._masks[sliding_window] = mask
         return mask
@@ -167,10 +174,7 @@ class PagedAttentionMetadata:
                 query_pos = torch.arange(chunk.context_len - chunk.num_query, chunk.context_len,
                                          device=device)[:, None]
                 key_pos = torch.arange(chunk.context_len, device=device)[None, :]
-                mask = key_pos <= query_pos
-                if sliding_window is not None:
-                    mask &= key_pos > query_pos - sliding_window
-                self._masks[key] = mask[None, None]
+                self._masks[key] = _visible_keys(key_pos, query_pos, sliding_window)[None, None]
         return self._masks[key]
 
 
@@ -227,10 +231,7 @@ def paged_decode_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     positions = torch.arange(length, device=query.device)[None, :]
-    context = context_lens[:, None]
-    visible = positions < context
-    if sliding_window is not None:
-        visible = visible & (positions > context - 1 - sliding_window)
+    visible = _visible_keys(positions, context_lens[:, None] - 1, sliding_window)
     scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1).reshape(
         kv_heads, batch, groups, max_blocks, block_size, 1)
