@@ -269,10 +269,9 @@ def compiled_paged_decode_attention(
         lens[:batch] = context_lens
         padded = query.new_zeros(rows, *query.shape[1:])
         padded[:batch] = query
-        return _compiled_decode()(padded, key_cache, value_cache, tables, lens, scale,
-                                  sliding_window, softcap)[:batch]
+        query, block_tables, context_lens = padded, tables, lens
     return _compiled_decode()(query, key_cache, value_cache, block_tables, context_lens,
-                              scale, sliding_window, softcap)
+                              scale, sliding_window, softcap)[:batch]
 
 
 def paged_attention_forward(
