@@ -73,13 +73,12 @@ class TorchModelRunner:
         self.generator.manual_seed(model_config.seed)
         self._requests: dict[str, _RequestState] = {}
         specs = self._profile()
-        self.kv_cache_specs = list(specs.values())
         self.num_kv_blocks = self._num_blocks(specs)
         self.kv_cache = PagedKVCache(specs, self.num_kv_blocks, self.block_size,
                                      self.cache_dtype, self.device)
         self.decode_kernel: DecodeKernel | None = None
         if self.device.type == "cpu" and not model_config.enforce_eager:
-            self.decode_kernel = self._compile_decode_attention()
+            self.decode_kernel = self._compile_decode_attention(specs)
 
     # -- set-up --------------------------------------------------------------------
 
@@ -104,7 +103,7 @@ class TorchModelRunner:
         return recorder.layers
 
     @torch.inference_mode()
-    def _compile_decode_attention(self) -> DecodeKernel | None:
+    def _compile_decode_attention(self, specs: dict[int, KVCacheSpec]) -> DecodeKernel | None:
         """Compile the fused decode attention now, for every layer's shape, with a
         forward of two dummy decodes (block 0's slots get overwritten before any
         request reads them). A failure (no C++ compiler, say) leaves the gather path."""
@@ -112,8 +111,7 @@ class TorchModelRunner:
         # compiles again once they differ, so the dummy batch and table width must not
         # equal any of the cache's or the model's dimensions.
         taken = {self.num_kv_blocks, self.block_size, *(
-            size for spec in self.kv_cache_specs for size in (spec.num_kv_heads,
-                                                             spec.head_dim))}
+            size for spec in specs.values() for size in (spec.num_kv_heads, spec.head_dim))}
         taken |= {int(getattr(self.config.model.hf_config, "num_attention_heads", 0))}
         rows, columns = [n for n in (5, 7, 11, 13, 17, 19, 23, 29, 31) if n not in taken][:2]
         metadata = PagedAttentionMetadata(
