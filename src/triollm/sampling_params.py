@@ -122,8 +122,11 @@ class SamplingParams:
         stops: list[str] = self.stop if isinstance(self.stop, list) else []
         if any(not isinstance(s, str) or not s for s in stops):
             raise _fail("stop", "must contain only non-empty strings")
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids or []):
-            raise _fail("stop_token_ids", "must contain only non-negative integers")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(not is_int(t) or t < 0 for t in getattr(self, name) or []):
+                raise _fail(name, "must contain only non-negative integers")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise _fail("allowed_token_ids", "must not be empty")
         if stops and not self.detokenize:
             raise _fail("stop", "stop strings need detokenize=True")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -138,11 +141,6 @@ class SamplingParams:
                         or not math.isfinite(bias)):
                     raise _fail("logit_bias", f"bias for token {token} must be a finite "
                                               f"number, got {bias!r}")
-        if self.allowed_token_ids is not None:
-            if not self.allowed_token_ids:
-                raise _fail("allowed_token_ids", "must not be empty")
-            if any(not is_int(t) or t < 0 for t in self.allowed_token_ids):
-                raise _fail("allowed_token_ids", "must contain only token ids >= 0")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Refuse ``logit_bias`` and ``allowed_token_ids`` entries outside a vocabulary
