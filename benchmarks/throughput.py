@@ -11,7 +11,10 @@ greedy) for three engines:
   given each request's own ``max_new_tokens`` (``generate_batch`` itself takes a
   single length for all requests, which would make it do more work than is counted);
 * on request (``--engines triollm triollm-eager``), triollm with ``enforce_eager``:
-  decode attention gathers KV blocks for SDPA instead of the compiled kernel.
+  decode attention gathers KV blocks for SDPA instead of the compiled kernel;
+* on request (``--engines triollm triollm-unpacked``), triollm with its linear layers
+  left as loaded (aten's linear) instead of on oneDNN-packed weights. There is no
+  engine option for this; the benchmark replaces the packing step with a no-op.
 
 Reported: output tokens/s, ratios, and the fraction of the compute bound, i.e.
 2 x parameters x tokens processed (prompt + output) over the bf16 matmul rate the
@@ -24,6 +27,7 @@ script measures on this machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import logging
@@ -31,6 +35,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import transformers
@@ -98,9 +103,13 @@ def save_model(name: str, directory: str, seed: int) -> int:
 
 
 def run_triollm(path: str, workload: Workload, max_num_seqs: int,
-                enforce_eager: bool = False) -> float:
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=max_num_seqs, max_model_len=1024,
-              max_num_batched_tokens=512, kv_cache_space_gb=2, enforce_eager=enforce_eager)
+                enforce_eager: bool = False, pack_linear: bool = True) -> float:
+    packing = contextlib.nullcontext() if pack_linear else mock.patch(
+        "triollm.model.torch_runner.pack_linear_layers", return_value=0)
+    with packing:
+        llm = LLM(path, dtype="bfloat16", max_num_seqs=max_num_seqs, max_model_len=1024,
+                  max_num_batched_tokens=512, kv_cache_space_gb=2,
+                  enforce_eager=enforce_eager)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in workload.output_lens]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
@@ -190,7 +199,8 @@ def main() -> None:
           f"bf16 2048^3 matmul: {rate / 1e9:.0f} GFLOP/s")
     runners: dict[str, Callable[[str, Workload, int], float]] = {
         "triollm": run_triollm, "static": run_static, "hf-cb": run_hf_continuous,
-        "triollm-eager": functools.partial(run_triollm, enforce_eager=True)}
+        "triollm-eager": functools.partial(run_triollm, enforce_eager=True),
+        "triollm-unpacked": functools.partial(run_triollm, pack_linear=False)}
     import tempfile
 
     for name in args.models:

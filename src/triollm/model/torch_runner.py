@@ -28,6 +28,7 @@ from triollm.model.attention import (
     compiled_paged_decode_attention,
 )
 from triollm.model.loader import load_model
+from triollm.model.packed_linear import pack_linear_layers
 from triollm.model.runner import RunnerOutput, TokenLogprobs
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
 
@@ -69,6 +70,9 @@ class TorchModelRunner:
             trust_remote_code=model_config.trust_remote_code,
         )
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        if self.device.type == "cpu":
+            packed = pack_linear_layers(self.model)
+            logger.info("%d linear layers run on oneDNN-packed weights", packed)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_config.seed)
         self._requests: dict[str, _RequestState] = {}

@@ -1,0 +1,114 @@
+"""CPU linear layers over weights pre-packed once into oneDNN's blocked layout.
+
+A decode step multiplies a few rows by every weight of the model, so on CPU its time
+is the time to read the weights. aten's ``linear`` reads a row-major weight at about a
+third of this machine's memory bandwidth; oneDNN, given the weight reordered once
+into its own blocked layout, runs the same product 1.3-1.7x faster for 1-32 rows and
+no slower for prefill-sized ones (``benchmarks/packed_linear.py``). This is what
+inductor's freezing pass does for compiled CPU models; doing it to the loaded modules
+gets the same kernels without compiling the model.
+
+Only plain ``nn.Linear`` and GPT-2's ``Conv1D`` are packed, only on CPU, and only a
+weight that no other module shares (a tied LM head keeps its embedding's weight).
+Each packed layer is checked against the unpacked product before it replaces the
+original; a layer that fails the check, or a torch without the oneDNN ops, keeps the
+plain module.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+__all__ = ["PackedLinear", "pack_linear_layers"]
+
+logger = logging.getLogger(__name__)
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ weight.T + bias`` with ``weight`` held in oneDNN's packed layout.
+
+    The packed tensor is an attribute, not a parameter: it is an opaque ``_mkldnn``
+    tensor that only oneDNN's linear reads."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
+                                                  [], "")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+def _oneDNN_supports(dtype: torch.dtype) -> bool:
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``[out, in]`` weight and the bias of a packable module."""
+    if isinstance(module, Conv1D):  # GPT-2 keeps its weight as [in, out]
+        return module.weight.detach().t().contiguous(), module.bias
+    assert isinstance(module, nn.Linear)
+    return module.weight.detach(), module.bias
+
+
+def _packed_if_equal(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
+    """A ``PackedLinear`` that gives what ``F.linear`` gives on a random input, else None."""
+    try:
+        packed = PackedLinear(weight, bias)
+        probe = torch.randn(3, weight.shape[1], dtype=weight.dtype,
+                            generator=torch.Generator().manual_seed(0))
+        expected = nn.functional.linear(probe, weight, bias).float()
+        got = packed(probe).float()
+    except RuntimeError as error:
+        logger.warning("oneDNN could not pack a %s linear weight (%s); keeping aten's "
+                       "linear", weight.dtype, error)
+        return None
+    tolerance = 1e-2 if weight.dtype == torch.bfloat16 else 1e-4
+    if not torch.allclose(got, expected, rtol=tolerance, atol=tolerance):
+        logger.warning("oneDNN's packed linear disagrees with aten's for a %s weight of "
+                       "shape %s; keeping aten's linear", weight.dtype, tuple(weight.shape))
+        return None
+    return packed
+
+
+@torch.no_grad()
+def pack_linear_layers(model: nn.Module) -> int:
+    """Replace the model's packable CPU linear layers by ``PackedLinear``, in place.
+
+    Returns how many were replaced."""
+    parameters = list(model.named_parameters(remove_duplicate=False))
+    uses: dict[int, int] = {}
+    for _, parameter in parameters:
+        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) not in (nn.Linear, Conv1D):
+                continue
+            weight = child.weight
+            if (weight.device.type != "cpu" or uses[id(weight)] > 1
+                    or not _oneDNN_supports(weight.dtype)):
+                continue
+            packed = _packed_if_equal(*_weight_and_bias(child))
+            if packed is not None:
+                setattr(parent, name, packed)
+                replaced += 1
+    return replaced

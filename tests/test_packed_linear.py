@@ -1,0 +1,92 @@
+"""CPU linear layers on oneDNN-packed weights compute what the original layers compute,
+leave shared (tied) weights alone, and fall back to the original layer when oneDNN
+cannot be trusted."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
+
+from triollm import LLM
+from triollm.model import packed_linear
+from triollm.model.packed_linear import PackedLinear, pack_linear_layers
+from triollm.testing import TINY_FAMILIES
+
+
+def _load(path: Path, dtype: torch.dtype) -> nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _packable(model: nn.Module) -> list[str]:
+    """Names of the layers that may be packed: plain linears whose weight no other
+    module uses."""
+    uses: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    return [name for name, module in model.named_modules()
+            if type(module) in (nn.Linear, Conv1D) and uses[id(module.weight)] == 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_packed_model_gives_the_same_logits(family: str, dtype: torch.dtype,
+                                            tiny_models: dict[str, Path]) -> None:
+    plain = _load(tiny_models[family], dtype)
+    packed = _load(tiny_models[family], dtype)
+    expected_names = _packable(packed)
+    assert expected_names, "the family has no packable layer"
+
+    assert pack_linear_layers(packed) == len(expected_names)
+    modules = dict(packed.named_modules())
+    assert all(isinstance(modules[name], PackedLinear) for name in expected_names)
+
+    ids = torch.randint(4, 500, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = plain(ids).logits.float()
+        got = packed(ids).logits.float()
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_tied_lm_head_keeps_the_embedding_weight(tiny_models: dict[str, Path]) -> None:
+    model = _load(tiny_models["opt"], torch.float32)  # OPT ties its LM head
+    head = model.get_output_embeddings()
+    assert head.weight is model.get_input_embeddings().weight
+
+    pack_linear_layers(model)
+
+    assert model.get_output_embeddings() is head
+    assert type(head) is nn.Linear
+
+
+def test_without_onednn_nothing_is_packed(tiny_models: dict[str, Path],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    model = _load(tiny_models["llama"], torch.float32)
+    assert pack_linear_layers(model) == 0
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_a_layer_that_fails_the_check_keeps_aten(
+        tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    original = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: original(self, x) + 1.0)
+    model = _load(tiny_models["llama"], torch.float32)
+    with caplog.at_level(logging.WARNING, logger=packed_linear.__name__):
+        assert pack_linear_layers(model) == 0
+    assert "disagrees" in caplog.text
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_the_cpu_runner_packs_its_model(llama_path: Path) -> None:
+    llm = LLM(str(llama_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=16)
+    model = llm.engine.runner.model
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == len(_packable(
+        _load(llama_path, torch.float32)))
