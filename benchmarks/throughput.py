@@ -216,7 +216,7 @@ def main() -> None:
             for engine in args.engines:
                 elapsed = runners[engine](directory, workload, args.max_num_seqs)
                 results[engine] = workload.output_tokens / elapsed
-                print(f"  {engine:13s} {elapsed:7.1f} s  {results[engine]:8.1f} output tok/s  "
+                print(f"  {engine:16s} {elapsed:7.1f} s  {results[engine]:8.1f} output tok/s  "
                       f"{bound / elapsed:6.1%} of compute bound", flush=True)
             if "triollm" in results:
                 for engine, value in results.items():

@@ -3,10 +3,11 @@
 A decode step multiplies a few rows by every weight of the model, so on CPU its time
 is the time to read the weights. aten's ``linear`` reads a row-major weight at about a
 third of this machine's memory bandwidth; oneDNN, given the weight reordered once
-into its own blocked layout, runs the same product 1.3-1.7x faster for 1-32 rows and
-no slower for prefill-sized ones (``benchmarks/packed_linear.py``). This is what
-inductor's freezing pass does for compiled CPU models; doing it to the loaded modules
-gets the same kernels without compiling the model.
+into its own blocked layout, runs the same product 1.3-1.6x faster in bf16 (1.5-2.2x
+in fp32) for 1-32 rows and about as fast for prefill-sized ones
+(``benchmarks/packed_linear.py``). This is what inductor's freezing pass does for
+compiled CPU models; doing it to the loaded modules gets the same kernels without
+compiling the model.
 
 Only plain ``nn.Linear`` and GPT-2's ``Conv1D`` are packed, only on CPU, and only a
 weight that no other module shares (a tied LM head keeps its embedding's weight).
