@@ -100,6 +100,18 @@ def test_logit_bias_is_added_before_greedy_and_sampling() -> None:
     assert 0 not in banned and set(banned) == {1, 2, 3}
 
 
+def test_bad_words_ban_the_token_that_would_complete_them() -> None:
+    params = SamplingParams(temperature=1.0)
+    params.bad_words_token_ids = [[1], [2, 0]]  # "1" alone; "0" only right after "2"
+    assert set(draw(params)) == {0, 2, 3}
+    assert set(draw(params, output=[3, 2])) == {2, 3}
+    assert set(draw(params, output=[2, 3])) == {0, 2, 3}
+    greedy = SamplingParams(temperature=0)
+    greedy.bad_words_token_ids = [[3, 2, 0]]
+    assert sample(LOGITS[None].clone(), [SamplingRow(greedy, None, [0], [3, 2])], None)[0] == [1]
+    assert sample(LOGITS[None].clone(), [SamplingRow(greedy, None, [0], [2, 2])], None)[0] == [0]
+
+
 def test_allowed_tokens_and_bias_leave_other_rows_and_raw_logprobs_alone() -> None:
     biased = SamplingParams(temperature=0, logit_bias={3: 5.0}, logprobs=0)
     plain = SamplingParams(temperature=0, logprobs=0)

@@ -218,6 +218,43 @@ def test_allowed_token_ids_and_logit_bias_steer_a_real_batch(llm: LLM) -> None:
     assert outputs[2].outputs[0].token_ids == plain  # the neighbours in the batch are untouched
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm: LLM) -> None:
+    tokens = llm.get_tokenizer().encode(PROMPT)
+    assert len(tokens) > 4
+    params = SamplingParams(temperature=0, max_tokens=8, truncate_prompt_tokens=4)
+    long_prompt = [5] * 300 + tokens  # longer than max_model_len=256 before truncation
+    truncated, short, text = llm.generate(
+        [tokens, tokens[-4:], {"prompt_token_ids": long_prompt}], params, use_tqdm=False)
+    assert truncated.prompt_token_ids == tokens[-4:]
+    assert truncated.outputs[0].token_ids == short.outputs[0].token_ids
+    assert text.prompt_token_ids == tokens[-4:]
+    [whole] = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8,
+                                                  truncate_prompt_tokens=len(tokens) + 5),
+                           use_tqdm=False)
+    assert whole.prompt == PROMPT and whole.prompt_token_ids == tokens
+
+
+def test_bad_words_never_appear_in_the_output(llm: LLM) -> None:
+    from triollm.engine.inputs import bad_words_token_ids
+
+    tokenizer = llm.get_tokenizer()
+    plain = greedy(llm, max_tokens=16)
+    # Words the model writes when left alone: one token, and a two-token stretch.
+    words = [tokenizer.decode(plain[:1]), tokenizer.decode(plain[4:6])]
+    sequences = bad_words_token_ids([w for w in words if w.strip()], tokenizer)
+    assert sequences and any(len(s) > 1 for s in sequences)
+    assert any(_contains(plain, s) for s in sequences)
+    for params in (SamplingParams(temperature=0, max_tokens=16, bad_words=words),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=16, n=3,
+                                  bad_words=words)):
+        for completion in llm.generate(PROMPT, params, use_tqdm=False)[0].outputs:
+            assert not any(_contains(completion.token_ids, s) for s in sequences)
+
+
+def _contains(tokens: list[int], sequence: list[int]) -> bool:
+    return any(tokens[i:i + len(sequence)] == sequence for i in range(len(tokens)))
+
+
 def test_n_samples_share_the_prompt(llm: LLM) -> None:
     out = llm.generate(PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10),
                        use_tqdm=False)[0]

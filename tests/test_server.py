@@ -162,6 +162,12 @@ def test_logit_bias_and_allowed_token_ids(server: ThreadedServer,
                                        extra_body={"ignore_eos": True})
     assert forced.choices[0].logprobs is not None
     assert forced.choices[0].logprobs.tokens == [token_text(77)] * 5
+    banned = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5,
+                                       temperature=0, logit_bias={"77": 100}, logprobs=0,
+                                       extra_body={"ignore_eos": True,
+                                                   "bad_words": [token_text(77)]})
+    assert banned.choices[0].logprobs is not None
+    assert token_text(77) not in (banned.choices[0].logprobs.tokens or [])
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
         temperature=1.0, seed=3, logprobs=True,
@@ -169,6 +175,44 @@ def test_logit_bias_and_allowed_token_ids(server: ThreadedServer,
     content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
     assert content and len(content) == 6
     assert {t.token for t in content} <= {token_text(40), token_text(41)}
+
+
+def test_prompt_logprobs(server: ThreadedServer, client: openai.OpenAI) -> None:
+    prompt = "The lighthouse keeper counted ships"
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    asked = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                      temperature=0, extra_body={"prompt_logprobs": 2})
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                       temperature=0, echo=True, logprobs=2)
+    positions = (asked.choices[0].model_extra or {})["prompt_logprobs"]
+    assert len(positions) == len(tokens)
+    assert positions[0] is None and all(1 <= len(p) <= 3 for p in positions[1:])
+    # Each position holds the prompt's own token, with the log-probability that echo +
+    # logprobs reports for it.
+    assert echoed.choices[0].logprobs is not None
+    echoed_values = (echoed.choices[0].logprobs.token_logprobs or [])[:len(tokens)]
+    for token, position, value in zip(tokens[1:], positions[1:], echoed_values[1:],
+                                      strict=True):
+        assert value is not None and value <= 0
+        assert abs(position[str(token)]["logprob"] - value) < 1e-4
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={"prompt_logprobs": 0})
+    chat_positions = (chat.model_extra or {})["prompt_logprobs"]
+    assert chat.usage is not None and len(chat_positions) == chat.usage.prompt_tokens
+    assert all(len(p) == 1 for p in chat_positions[1:])  # just the prompt's own token
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert (plain.choices[0].model_extra or {}).get("prompt_logprobs") is None
+
+
+def test_truncate_prompt_tokens(client: openai.OpenAI) -> None:
+    long_prompt = [40] * (MAX_MODEL_LEN + 10)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2)
+    result = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2,
+                                       extra_body={"truncate_prompt_tokens": 10})
+    assert result.usage is not None and result.usage.prompt_tokens == 10
 
 
 def test_batched_prompts(client: openai.OpenAI) -> None:
@@ -334,6 +378,10 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
         ("empty allowed_token_ids", {"json": {**good, "allowed_token_ids": []}}, 400,
          "allowed_token_ids"),
         ("best_of above n", {"json": {**good, "best_of": 3}}, 400, "best_of"),
+        ("prompt_logprobs while streaming",
+         {"json": {**good, "stream": True, "prompt_logprobs": 1}}, 400, "prompt_logprobs"),
+        ("truncate_prompt_tokens of 0", {"json": {**good, "truncate_prompt_tokens": 0}},
+         400, "truncate_prompt_tokens"),
         ("unknown model", {"json": {**good, "model": "nope"}}, 404, "model"),
         ("body over the limit", {"json": {**good, "prompt": "x" * (BODY_LIMIT + 1)}}, 413,
          None),

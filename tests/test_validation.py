@@ -18,7 +18,8 @@ from triollm.model.loader import UnsupportedModelError
     ("repetition_penalty", 0.0), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1),
     ("prompt_logprobs", -1), ("seed", "x"), ("stop", [""]), ("stop_token_ids", [-1]),
     ("logit_bias", {"5": 1.0}), ("logit_bias", {5: float("nan")}), ("logit_bias", {-1: 1.0}),
-    ("allowed_token_ids", []), ("allowed_token_ids", [-3]),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-3]), ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", 2.5), ("bad_words", [""]), ("bad_words", "word"),
 ])
 def test_sampling_params_name_the_bad_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):

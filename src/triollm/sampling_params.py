@@ -36,7 +36,10 @@ class SamplingParams:
     one request's sampling reproducible whatever else is in the batch. ``logit_bias``
     adds to the logits of the given token ids (OpenAI's field; greedy rows see it too)
     and ``allowed_token_ids`` restricts sampling to those ids; the engine refuses ids
-    outside the model's vocabulary.
+    outside the model's vocabulary. ``bad_words`` are never generated: as in vLLM, a
+    word's last token is banned whenever the output ends with the word's other tokens
+    (each word is tried with and without a leading space). ``truncate_prompt_tokens``
+    keeps only that many tokens from the end of the prompt.
     """
 
     n: int = 1
@@ -61,9 +64,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled in by the engine: the tokenizer's end-of-sequence ids.
+    # Filled in by the engine: the tokenizer's end-of-sequence ids, and each bad word
+    # as token ids (with and without a leading space).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False,
+                                                 compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +85,8 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None and not isinstance(self.bad_words, str):
+            self.bad_words = list(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.output_kind, int):
@@ -119,14 +129,21 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 0):
                 raise _fail(name, f"must be an integer >= 0, got {value!r}")
+        for name in ("stop", "bad_words"):
+            words = getattr(self, name) or []
+            if not isinstance(words, list) or any(not isinstance(w, str) or not w
+                                                  for w in words):
+                raise _fail(name, "must contain only non-empty strings")
         stops: list[str] = self.stop if isinstance(self.stop, list) else []
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise _fail("stop", "must contain only non-empty strings")
         for name in ("stop_token_ids", "allowed_token_ids"):
             if any(not is_int(t) or t < 0 for t in getattr(self, name) or []):
                 raise _fail(name, "must contain only non-negative integers")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise _fail("allowed_token_ids", "must not be empty")
+        if self.truncate_prompt_tokens is not None and (
+                not is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1):
+            raise _fail("truncate_prompt_tokens",
+                        f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
         if stops and not self.detokenize:
             raise _fail("stop", "stop strings need detokenize=True")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -169,13 +186,14 @@ class SamplingParams:
         seed = None if self.seed is None else self.seed + index
         params = SamplingParams(**{**self._as_kwargs(), "n": 1, "seed": seed})
         params.all_stop_token_ids = set(self.all_stop_token_ids)
+        params.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         return params
 
     def _as_kwargs(self) -> dict[str, Any]:
         return {
             name: getattr(self, name)
             for name in self.__dataclass_fields__
-            if name != "all_stop_token_ids"
+            if name not in ("all_stop_token_ids", "bad_words_token_ids")
         }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from triollm.config import EngineConfig
 from triollm.engine.block_manager import BlockManager
 from triollm.engine.detokenizer import IncrementalDetokenizer
-from triollm.engine.inputs import process_prompt
+from triollm.engine.inputs import bad_words_token_ids, process_prompt
 from triollm.engine.request import Request, RequestStatus
 from triollm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics
 from triollm.model.runner import ModelRunner, RunnerOutput, TokenLogprobs
@@ -127,9 +127,14 @@ class EngineCore:
                 raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
         params.check_token_ids(self.vocab_size)
         processed = process_prompt(prompt, self.tokenizer, max_model_len=self.max_model_len,
-                                   vocab_size=self.vocab_size)
+                                   vocab_size=self.vocab_size,
+                                   truncate_to=params.truncate_prompt_tokens)
         arrival = self.clock() if arrival_time is None else arrival_time
         params.all_stop_token_ids = set(params.stop_token_ids or ())
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: this engine has no tokenizer to encode them")
+            params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
         children = []

@@ -1,9 +1,11 @@
 """Prompts in, token ids out: parse vLLM's prompt forms and reject bad ones early.
 
 A prompt is a string, a list of token ids, ``{"prompt": str}`` (TextPrompt) or
-``{"prompt_token_ids": [...]}`` (TokensPrompt). Empty prompts, prompts that leave no
-room to generate within ``max_model_len`` and token ids outside the vocabulary are
-refused with a ``ValueError`` before anything reaches the scheduler.
+``{"prompt_token_ids": [...]}`` (TokensPrompt). With ``truncate_to`` (the request's
+``truncate_prompt_tokens``) only the prompt's last tokens are kept, as in vLLM. Empty
+prompts, prompts that still leave no room to generate within ``max_model_len`` and
+token ids outside the vocabulary are refused with a ``ValueError`` before anything
+reaches the scheduler.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
 
-__all__ = ["ProcessedPrompt", "PromptType", "TextPrompt", "TokensPrompt", "process_prompt"]
+__all__ = ["ProcessedPrompt", "PromptType", "TextPrompt", "TokensPrompt", "bad_words_token_ids",
+           "process_prompt"]
 
 
 class TextPrompt(TypedDict):
@@ -27,7 +30,7 @@ PromptType = str | list[int] | TextPrompt | TokensPrompt
 
 
 class _Encoder(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class ProcessedPrompt:
 
 
 def process_prompt(prompt: Any, tokenizer: _Encoder, *, max_model_len: int,
-                   vocab_size: int) -> ProcessedPrompt:
+                   vocab_size: int, truncate_to: int | None = None) -> ProcessedPrompt:
     text: str | None
     if isinstance(prompt, str):
         text, token_ids = prompt, None
@@ -61,6 +64,9 @@ def process_prompt(prompt: Any, tokenizer: _Encoder, *, max_model_len: int,
         token_ids = tokenizer.encode(text)
     if not token_ids:
         raise ValueError("prompt: must contain at least one token")
+    if truncate_to is not None and len(token_ids) > truncate_to:
+        # The text no longer matches the tokens; outputs then carry only the tokens.
+        text, token_ids = None, token_ids[-truncate_to:]
     for token in token_ids:
         if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
             raise ValueError(f"prompt_token_ids: {token!r} is not a token id of this model "
@@ -69,3 +75,19 @@ def process_prompt(prompt: Any, tokenizer: _Encoder, *, max_model_len: int,
         raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
                          f"max_model_len={max_model_len}")
     return ProcessedPrompt(text=text, token_ids=token_ids)
+
+
+def bad_words_token_ids(words: list[str], tokenizer: _Encoder) -> list[list[int]]:
+    """Each bad word as token ids, as vLLM tokenizes them: the word itself and, when it
+    tokenizes differently, the word after a space (how it appears mid-sentence)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if bare:
+            sequences.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        # vLLM keeps the spaced form only when it is the same length with another first
+        # token, i.e. the space merged into the word's first token.
+        if spaced and bare and len(spaced) == len(bare) and spaced[0] != bare[0]:
+            sequences.append(spaced)
+    return sequences

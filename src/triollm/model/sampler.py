@@ -2,7 +2,8 @@
 
 Order of operations (as vLLM): raw log-probabilities for the caller are taken from the
 model's logits before anything else; then min_tokens masks the stop tokens,
-allowed_token_ids masks every other token, logit_bias is added and penalties apply;
+allowed_token_ids masks every other token, logit_bias is added, bad words are masked
+and penalties apply;
 greedy rows take the argmax and the rest are scaled by temperature, filtered by top-k,
 top-p and min-p and sampled. Sampling uses the exponential race (``argmax(p / E)`` with
 ``E ~ Exp(1)``), so a seeded row draws its noise from its own generator and gets the
@@ -40,6 +41,7 @@ def sample(
     logits = logits.clone()
     _apply_min_tokens(logits, rows)
     _apply_allowed_tokens_and_bias(logits, rows)
+    _apply_bad_words(logits, rows)
     _apply_penalties(logits, rows)
 
     tokens = torch.argmax(logits, dim=-1)
@@ -84,6 +86,17 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if len(row.output_token_ids) < params.min_tokens and params.all_stop_token_ids:
             blocked = [t for t in params.all_stop_token_ids if t < logits.shape[-1]]
             logits[i, blocked] = float("-inf")
+
+
+def _apply_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Ban the token that would complete a bad word given the output so far."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        output = row.output_token_ids
+        for word in row.params.bad_words_token_ids:
+            *prefix, last = word
+            if last < vocab and (not prefix or output[len(output) - len(prefix):] == prefix):
+                logits[i, last] = float("-inf")
 
 
 def _apply_allowed_tokens_and_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

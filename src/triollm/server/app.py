@@ -59,6 +59,8 @@ from triollm.server.protocol import (
     GenerateRequest,
     ModelCard,
     ModelList,
+    PromptLogprobs,
+    PromptTokenLogprob,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
@@ -382,6 +384,17 @@ def _completion_logprobs(completion: CompletionOutput, start_offset: int,
     return result
 
 
+def _prompt_logprobs(body: CompletionRequest | ChatCompletionRequest,
+                     output: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` field, when the request asked for it."""
+    if body.prompt_logprobs is None:
+        return None
+    return [None if position is None else {
+        token: PromptTokenLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+                                  decoded_token=lp.decoded_token)
+        for token, lp in position.items()} for position in output.prompt_logprobs or []]
+
+
 def _chat_logprobs(completion: CompletionOutput, top: int) -> ChatLogprobs:
     content = []
     for token_id, position in zip(completion.token_ids, completion.logprobs or [],
@@ -536,7 +549,8 @@ def build_app(state: ServerState) -> ASGIApp:
                 choices.append(CompletionChoice(
                     index=prompt_index * body.n + completion.index, text=text,
                     logprobs=logprobs, finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason))
+                    stop_reason=completion.stop_reason,
+                    prompt_logprobs=_prompt_logprobs(body, output)))
         return JSONResponse(CompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
             usage=_usage(finals)).model_dump())
@@ -582,7 +596,7 @@ def build_app(state: ServerState) -> ASGIApp:
             finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
         return JSONResponse(ChatCompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
-            usage=_usage([final])).model_dump())
+            usage=_usage([final]), prompt_logprobs=_prompt_logprobs(body, final)).model_dump())
 
     # -- vLLM's minimal /generate (the seed's api_server) ---------------------------------
 

@@ -78,6 +78,9 @@ class _SamplingRequest(BaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     priority: int = 0
     # co-serving (the seed's fields): served first, and steps sized to keep to the SLO,
     # under --scheduling-policy slo; ttft_slo is an optional first-token target
@@ -88,7 +91,12 @@ class _SamplingRequest(BaseModel):
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """``SamplingParams`` for this request (raises ``ValueError`` naming the field)."""
+        """``SamplingParams`` for this request (raises ``ValueError`` naming the field).
+        The request's own ``prompt_logprobs`` wins over the one its endpoint derives."""
+        if self.prompt_logprobs is not None:
+            if self.stream:
+                raise ValueError("prompt_logprobs: not available when stream is true")
+            prompt_logprobs = self.prompt_logprobs
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -112,6 +120,8 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream
             else RequestOutputKind.FINAL_ONLY,
         )
@@ -181,12 +191,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptTokenLogprob(BaseModel):
+    """vLLM's ``Logprob``: one token's log-probability, 1-based rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: Per prompt position (``None`` for the first): token id -> its log-probability.
+PromptLogprobs = list[dict[int, PromptTokenLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -232,6 +255,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
