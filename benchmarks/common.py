@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
+from collections.abc import Callable
 
 
 def save_llama(directory: str, *, max_position_embeddings: int = 1024,
@@ -31,6 +33,18 @@ def save_llama(directory: str, *, max_position_embeddings: int = 1024,
         model.generation_config.pad_token_id = pad_token_id
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+
+
+def timed(call: Callable[[], object], repeats: int) -> float:
+    """The median time of ``repeats`` calls of ``call``, after three warm-up calls."""
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
+from common import timed
 from triollm.model.attention import (
     DecodeGroup,
     KVCacheSpec,
@@ -34,17 +32,6 @@ HEADS, DIM, BLOCK, BLOCKS = 12, 64, 16, 4096
 def _forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, metadata: PagedAttentionMetadata) -> object:
     return paged_attention_forward(module, query, key, value, None, triollm_metadata=metadata)
-
-
-def timed(call: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -13,27 +13,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from common import timed
 from triollm.model.packed_linear import PackedLinear
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 768, 2048, 12, 512
-
-
-def timed(call: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def model_weights(dtype: torch.dtype) -> list[torch.Tensor]:
