@@ -50,7 +50,7 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
-def _oneDNN_supports(dtype: torch.dtype) -> bool:
+def _onednn_supports(dtype: torch.dtype) -> bool:
     if not (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
@@ -106,7 +106,7 @@ def pack_linear_layers(model: nn.Module) -> int:
                 continue
             weight = child.weight
             if (weight.device.type != "cpu" or uses[id(weight)] > 1
-                    or not _oneDNN_supports(weight.dtype)):
+                    or not _onednn_supports(weight.dtype)):
                 continue
             packed = _packed_if_equal(*_weight_and_bias(child))
             if packed is not None:
