@@ -384,13 +384,18 @@ def _completion_logprobs(completion: CompletionOutput, start_offset: int,
     return result
 
 
+def _json_logprob(logprob: float) -> float:
+    """JSON has no -inf: an impossible token is reported as -9999.0."""
+    return max(logprob, -9999.0)
+
+
 def _prompt_logprobs(body: CompletionRequest | ChatCompletionRequest,
                      output: RequestOutput) -> PromptLogprobs | None:
     """vLLM's ``prompt_logprobs`` field, when the request asked for it."""
     if body.prompt_logprobs is None:
         return None
     return [None if position is None else {
-        token: PromptTokenLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+        token: PromptTokenLogprob(logprob=_json_logprob(lp.logprob), rank=lp.rank,
                                   decoded_token=lp.decoded_token)
         for token, lp in position.items()} for position in output.prompt_logprobs or []]
 
@@ -405,9 +410,9 @@ def _chat_logprobs(completion: CompletionOutput, top: int) -> ChatLogprobs:
         text = chosen.decoded_token or ""
         ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[:top]
         content.append(ChatTokenLogprob(
-            token=text, logprob=max(chosen.logprob, -9999.0), bytes=list(text.encode()),
+            token=text, logprob=_json_logprob(chosen.logprob), bytes=list(text.encode()),
             top_logprobs=[TopLogprob(token=lp.decoded_token or "",
-                                     logprob=max(lp.logprob, -9999.0),
+                                     logprob=_json_logprob(lp.logprob),
                                      bytes=list((lp.decoded_token or "").encode()))
                           for _, lp in ranked]))
     return ChatLogprobs(content=content)
