@@ -19,6 +19,7 @@ plain module.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 from torch import nn
@@ -95,10 +96,8 @@ def pack_linear_layers(model: nn.Module) -> int:
     """Replace the model's packable CPU linear layers by ``PackedLinear``, in place.
 
     Returns how many were replaced."""
-    parameters = list(model.named_parameters(remove_duplicate=False))
-    uses: dict[int, int] = {}
-    for _, parameter in parameters:
-        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    uses = Counter(id(parameter) for _, parameter in
+                   model.named_parameters(remove_duplicate=False))
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
