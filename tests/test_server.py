@@ -3,6 +3,7 @@ official ``openai`` client (sync, and async under trio and asyncio) and raw HTTP
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -101,6 +102,27 @@ def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
     finals = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finals[-1] == "length" and all(f is None for f in finals[:-1])
+
+
+def test_streamed_echo_and_logprobs_equal_the_whole_reply(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8,
+                              "n": 2, "seed": 5, "temperature": 1.0, "echo": True,
+                              "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        assert mine[0].text.startswith("Once upon a time")
+        assert choice.logprobs is not None
+        streamed_tokens = [t for c in mine for t in (c.logprobs.tokens or [])
+                           if c.logprobs is not None]
+        streamed_values = [v for c in mine for v in (c.logprobs.token_logprobs or [])
+                           if c.logprobs is not None]
+        assert streamed_tokens == choice.logprobs.tokens
+        assert streamed_values[0] is None and choice.logprobs.token_logprobs
+        assert streamed_values[1:] == pytest.approx(choice.logprobs.token_logprobs[1:],
+                                                    abs=1e-4)
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
@@ -445,6 +467,50 @@ def test_clients_that_disconnect_are_aborted(server: ThreadedServer,
     aborted = metric(server, "triollm:request_success_total", finished_reason="abort")
     assert aborted - aborted_before >= 60  # a few may finish first; most are aborted
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=3).choices
+
+
+@pytest.mark.anyio
+async def test_impossible_tokens_get_a_finite_logprob(llama_path: Path) -> None:
+    """A log-probability of -inf (a token the model rules out) is sent as -9999.0, as
+    vLLM does: JSON has no -inf, so it would otherwise fail the response."""
+    impossible = 40
+
+    def runner_factory() -> Any:
+        from triollm.model.torch_runner import TorchModelRunner
+
+        runner = TorchModelRunner(config)
+
+        def rule_out(module: Any, inputs: Any, logits: Any) -> Any:
+            logits[..., impossible] = float("-inf")
+            return logits
+
+        runner.model.get_output_embeddings().register_forward_hook(rule_out)
+        return runner
+
+    args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=64,
+                           enforce_eager=True, disable_log_requests=True)
+    config = args.create_engine_config()
+    engine = AsyncLLMEngine.from_engine_args(args, runner_factory=runner_factory)
+    state = ServerState(engine=engine, settings=ServerSettings(served_model_names=("m",)),
+                        metrics=PrometheusStatLogger(engine, "m"))
+    transport = httpx.ASGITransport(app=build_app(state))
+    body = {"model": "m", "prompt": [7, impossible, 9], "max_tokens": 2, "echo": True,
+            "logprobs": 1, "temperature": 0}
+    async with engine, httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        logprobs = response.json()["choices"][0]["logprobs"]
+        assert logprobs["token_logprobs"][1] == -9999.0  # the prompt's impossible token
+        assert -9999.0 in logprobs["top_logprobs"][1].values()
+        assert all(-9999.0 < lp <= 0 for lp in logprobs["token_logprobs"][2:])
+        async with http.stream("POST", "/v1/completions",
+                               json={**body, "stream": True}) as stream:
+            assert stream.status_code == 200
+            events = [json.loads(line[5:]) async for line in stream.aiter_lines()
+                      if line.startswith("data:") and line != "data: [DONE]"]
+        streamed = [lp for event in events for choice in event["choices"]
+                    for lp in (choice["logprobs"] or {}).get("token_logprobs", [])]
+        assert streamed[:2] == [None, -9999.0]
 
 
 def test_tls(tmp_path: Path, llama_path: Path) -> None:

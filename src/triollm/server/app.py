@@ -375,9 +375,9 @@ def _completion_logprobs(completion: CompletionOutput, start_offset: int,
         text = (chosen.decoded_token if chosen and chosen.decoded_token is not None
                 else tokenizer.decode([token_id]) if tokenizer is not None else "")
         result.tokens.append(text)
-        result.token_logprobs.append(chosen.logprob if chosen else None)
+        result.token_logprobs.append(_json_logprob(chosen.logprob) if chosen else None)
         result.top_logprobs.append(
-            {(lp.decoded_token or ""): lp.logprob for lp in position.values()}
+            {(lp.decoded_token or ""): _json_logprob(lp.logprob) for lp in position.values()}
             if position else None)
         result.text_offset.append(offset)
         offset += len(text)
@@ -701,15 +701,20 @@ def _completion_stream_writer(
                 for completion in output.outputs:
                     index = item.index * body.n + completion.index
                     text = completion.text
-                    if first and body.echo:
+                    # Each choice's first event carries the prompt, and with logprobs
+                    # the prompt tokens' log-probabilities, as in the non-streaming reply.
+                    echo = body.echo and index not in offsets
+                    if echo:
                         text = (output.prompt or tokenizer.decode(output.prompt_token_ids)
                                 ) + text
                     completion_tokens += len(completion.token_ids)
                     logprobs = None
                     if body.logprobs is not None:
+                        echoed = ((output.prompt_token_ids, list(output.prompt_logprobs or []))
+                                  if echo else None)
                         logprobs = _completion_logprobs(completion, offsets.get(index, 0),
-                                                        None, tokenizer)
-                        offsets[index] = offsets.get(index, 0) + len(completion.text)
+                                                        echoed, tokenizer)
+                    offsets[index] = offsets.get(index, 0) + len(text)
                     event = {
                         "id": request_id, "object": "text_completion", "created": created,
                         "model": model,
