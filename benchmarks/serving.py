@@ -14,7 +14,11 @@ the servers itself, one after the other on the same model and workload::
     python benchmarks/serving.py --launch triollm transformers --request-rate 1 4 inf
 
 (``transformers`` is ``transformers serve --continuous-batching``, pip extra
-``transformers[serving]``.)
+``transformers[serving]``.) Launched servers all start first and stay up (idle ones
+use no CPU); each seed's workload then runs on each server in turn, the order
+alternating from seed to seed, so a pair of runs is minutes apart, not a whole
+benchmark. With several servers and seeds, a summary pairs each rate's runs seed by
+seed and counts how often the first server's output throughput is the higher.
 """
 
 from __future__ import annotations
@@ -26,18 +30,19 @@ import math
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import anyio
 import httpx
 
-from common import percentiles, save_llama
+from common import percentiles, quantile, save_llama
 
 
 @dataclass
@@ -117,11 +122,19 @@ async def run_rate(url: str, model: str, workload: list[tuple[str, int]], rate: 
     return results, elapsed
 
 
-def report(name: str, rate: float, results: list[RequestResult], elapsed: float) -> None:
+@dataclass(frozen=True)
+class RunSummary:
+    output_throughput: float
+    p99_tpot: float
+
+
+def report(name: str, rate: float, seed: int, results: list[RequestResult],
+           elapsed: float) -> RunSummary:
     ok = [r for r in results if r.ok]
     failed = len(results) - len(ok)
     tokens = sum(r.output_tokens for r in ok)
-    print(f"\n[{name}] request rate {rate}: {len(ok)} ok, {failed} failed, {elapsed:.1f} s")
+    print(f"\n[{name}] request rate {rate}, seed {seed}: {len(ok)} ok, {failed} failed, "
+          f"{elapsed:.1f} s")
     if failed:
         print(f"  first failure: {next(r.error for r in results if not r.ok)}")
     print(f"  request throughput {len(ok) / elapsed:7.2f} req/s   output throughput "
@@ -130,13 +143,44 @@ def report(name: str, rate: float, results: list[RequestResult], elapsed: float)
     print(f"  TPOT  {percentiles([t for r in ok if (t := r.tpot) is not None])}")
     print(f"  ITL   {percentiles([x for r in ok for x in r.itl])}")
     print(f"  E2E   {percentiles([r.e2e for r in ok])}", flush=True)
+    tpots = [t for r in ok if (t := r.tpot) is not None]
+    return RunSummary(tokens / elapsed, quantile(tpots, 0.99) if tpots else math.nan)
 
 
-def make_workload(args: argparse.Namespace) -> list[tuple[str, int]]:
+def sign_test(wins: int, trials: int) -> float:
+    """One-sided p-value of at least ``wins`` of ``trials`` if each were a coin toss."""
+    return sum(math.comb(trials, k) for k in range(wins, trials + 1)) / 2 ** trials
+
+
+def print_pairs(runs: dict[tuple[float, int], dict[str, RunSummary]], labels: list[str]
+                ) -> None:
+    """Per rate, each seed's output throughput and p99 TPOT of the first server against
+    each other one, and a sign test over the seeds."""
+    first = labels[0]
+    for other in labels[1:]:
+        for rate in sorted({rate for rate, _ in runs}):
+            pairs = [(seed, by[first], by[other]) for (r, seed), by in runs.items()
+                     if r == rate]
+            print(f"\n{first} vs {other}, request rate {rate}:")
+            print(f"{'seed':>6} {'output tok/s':>22} {'ratio':>7} {'p99 TPOT (ms)':>20}")
+            for seed, a, b in pairs:
+                print(f"{seed:>6} {a.output_throughput:10.1f} vs {b.output_throughput:7.1f}"
+                      f" {a.output_throughput / b.output_throughput:6.3f}x"
+                      f" {1000 * a.p99_tpot:9.1f} vs {1000 * b.p99_tpot:7.1f}")
+            wins = sum(a.output_throughput > b.output_throughput for _, a, b in pairs)
+            ratios = [a.output_throughput / b.output_throughput for _, a, b in pairs]
+            print(f"  output throughput higher in {wins} of {len(pairs)} seeds (geometric "
+                  f"mean ratio {statistics.geometric_mean(ratios):.3f}x, one-sided sign test "
+                  f"p = {sign_test(wins, len(pairs)):.4f}); p99 TPOT lower in "
+                  f"{sum(a.p99_tpot < b.p99_tpot for _, a, b in pairs)} of {len(pairs)}",
+                  flush=True)
+
+
+def make_workload(args: argparse.Namespace, seed: int) -> list[tuple[str, int]]:
     from triollm.model.loader import demo_corpus
 
     words = " ".join(demo_corpus()).split()
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     workload = []
     for _ in range(args.num_prompts):
         start = rng.randrange(len(words))
@@ -199,35 +243,46 @@ def main() -> None:
     parser.add_argument("--base-url", help="an OpenAI-compatible server to measure")
     parser.add_argument("--model", help="model name to send (with --base-url)")
     parser.add_argument("--launch", nargs="+", choices=["triollm", "transformers"],
-                        help="save a random-weight model and launch these servers in turn")
+                        help="save a random-weight model and launch these servers (all stay up)")
     parser.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 4.0, math.inf])
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--prompt-words", type=int, nargs=2, default=[16, 160])
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 96],
                         help="max_tokens range (a request may stop earlier at EOS)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, nargs="+", default=[0],
+                        help="workload and arrival seeds; each one is a run per rate")
     args = parser.parse_args()
-    workload = make_workload(args)
     print(f"{args.num_prompts} requests, prompts {args.prompt_words[0]}-{args.prompt_words[1]}"
           f" words, outputs {args.output_len[0]}-{args.output_len[1]} tokens (greedy)")
     if args.base_url:
-        for rate in args.request_rate:
-            results, elapsed = anyio.run(run_rate, args.base_url, args.model, workload, rate,
-                                         args.seed)
-            report(args.base_url, rate, results, elapsed)
+        run_all({args.base_url: (args.base_url, args.model)}, args)
         return
     if not args.launch:
         parser.error("give --base-url or --launch")
-    with tempfile.TemporaryDirectory() as model_dir:
+    with tempfile.TemporaryDirectory() as model_dir, ExitStack() as servers:
         save_llama(model_dir, pad_token_id=3)
+        urls: dict[str, tuple[str, str]] = {}
         for kind in args.launch:
-            with launched(kind, model_dir, args.max_num_seqs) as (url, model):
-                for rate in args.request_rate:
-                    results, elapsed = anyio.run(run_rate, url, model, workload, rate,
-                                                 args.seed)
-                    report(kind, rate, results, elapsed)
+            label = kind if kind not in urls else f"{kind}#{len(urls) + 1}"
+            urls[label] = servers.enter_context(launched(kind, model_dir, args.max_num_seqs))
+        run_all(urls, args)
 
+
+def run_all(urls: dict[str, tuple[str, str]], args: argparse.Namespace) -> None:
+    labels = list(urls)
+    runs: dict[tuple[float, int], dict[str, RunSummary]] = {}
+    for index, seed in enumerate(args.seed):
+        workload = make_workload(args, seed)
+        for rate in args.request_rate:
+            # Alternate the order so that drift in the machine's speed favours no server.
+            for label in labels if index % 2 == 0 else labels[::-1]:
+                url, model = urls[label]
+                results, elapsed = anyio.run(run_rate, url, model, workload, rate, seed)
+                runs.setdefault((rate, seed), {})[label] = report(label, rate, seed, results,
+                                                                  elapsed)
+    if len(labels) > 1 and len(args.seed) > 1:
+        print_pairs(runs, labels)
 
 if __name__ == "__main__":
     main()

@@ -454,6 +454,15 @@ def build_app(state: ServerState) -> ASGIApp:
         raise OpenAIError(404, f"The model `{name}` does not exist.", type="NotFoundError",
                           param="model")
 
+    def check_request(body: CompletionRequest | ChatCompletionRequest) -> str:
+        """The served model's name, once the model and the features asked for are ours."""
+        model = check_model(body.model)
+        try:
+            body.check_supported()
+        except ValueError as error:
+            raise bad_request(error) from error
+        return model
+
     def request_id_for(request: Request, body: Any, prefix: str) -> str:
         return body.request_id or request.headers.get("x-request-id") or random_id(prefix)
 
@@ -487,8 +496,8 @@ def build_app(state: ServerState) -> ASGIApp:
             tokens = tokenizer.apply_chat_template(
                 [m.model_dump(exclude_none=True) for m in body.messages],
                 chat_template=settings.chat_template,
-                add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                return_dict=False)
+                add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+                tokenize=True, return_dict=False)
         elif body.prompt is not None:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
@@ -509,7 +518,7 @@ def build_app(state: ServerState) -> ASGIApp:
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        model = check_model(body.model)
+        model = check_request(body)
         if body.suffix is not None:
             raise OpenAIError(400, "suffix: not supported", param="suffix")
         if body.best_of not in (None, 1, body.n):
@@ -564,13 +573,13 @@ def build_app(state: ServerState) -> ASGIApp:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        model = check_model(body.model)
+        model = check_request(body)
         try:
             token_ids = tokenizer.apply_chat_template(
                 [m.model_dump(exclude_none=True) for m in body.messages],
                 chat_template=body.chat_template or settings.chat_template,
-                add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                return_dict=False)
+                add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+                tokenize=True, return_dict=False)
         except Exception as error:  # template errors are the request's fault
             raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
                               param="messages") from error

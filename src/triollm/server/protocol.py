@@ -88,6 +88,28 @@ class _SamplingRequest(BaseModel):
     slo: float | None = Field(default=None, gt=0)
     ttft_slo: float | None = Field(default=None, gt=0)
     request_id: str | None = None
+    # Structured output (OpenAI's response_format, vLLM's guided_* and
+    # structured_outputs) is not implemented. These are refused rather than ignored: a
+    # client that asked for JSON would otherwise get free text it then fails to parse.
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    def check_supported(self) -> None:
+        """Raise ``ValueError`` naming the first field that asks for what this server
+        does not do."""
+        if self.response_format is not None:
+            kind = self.response_format.get("type")
+            if kind != "text":
+                raise ValueError(f"response_format: type {kind!r} is not supported (this "
+                                 f"server has no structured output); only 'text' is")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs"):
+            if getattr(self, name) not in (None, "", {}, []):
+                raise ValueError(f"{name}: guided decoding is not supported by this server")
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -176,6 +198,25 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     echo: bool = False
     chat_template: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        # As vLLM: tools without a tool_choice mean "auto". This server has no tool-call
+        # parser (vLLM's --enable-auto-tool-choice) and no structured output, so only
+        # "none" is served; the tools still reach the chat template.
+        if self.tools == []:
+            raise ValueError("tools: must not be an empty list (omit the field instead)")
+        choice = self.tool_choice
+        if choice is None and self.tools:
+            choice = "auto"
+        if choice is not None and choice != "none":
+            if not self.tools:
+                raise ValueError("tool_choice: given without tools")
+            shown = choice if isinstance(choice, str) else "a named tool"
+            raise ValueError(f"tool_choice: {shown!r} is not supported (this server has no "
+                             f"tool-call parser); send tool_choice 'none' or no tools")
 
 
 class UsageInfo(BaseModel):
@@ -302,6 +343,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # shown to the chat template, as in vLLM
 
 
 class TokenizeResponse(BaseModel):
