@@ -139,11 +139,11 @@ def report(name: str, rate: float, seed: int, results: list[RequestResult],
         print(f"  first failure: {next(r.error for r in results if not r.ok)}")
     print(f"  request throughput {len(ok) / elapsed:7.2f} req/s   output throughput "
           f"{tokens / elapsed:8.1f} tok/s")
+    tpots = [t for r in ok if (t := r.tpot) is not None]
     print(f"  TTFT  {percentiles([r.ttft for r in ok])}")
-    print(f"  TPOT  {percentiles([t for r in ok if (t := r.tpot) is not None])}")
+    print(f"  TPOT  {percentiles(tpots)}")
     print(f"  ITL   {percentiles([x for r in ok for x in r.itl])}")
     print(f"  E2E   {percentiles([r.e2e for r in ok])}", flush=True)
-    tpots = [t for r in ok if (t := r.tpot) is not None]
     return RunSummary(tokens / elapsed, quantile(tpots, 0.99) if tpots else math.nan)
 
 
@@ -283,6 +283,7 @@ def run_all(urls: dict[str, tuple[str, str]], args: argparse.Namespace) -> None:
                                                                   elapsed)
     if len(labels) > 1 and len(args.seed) > 1:
         print_pairs(runs, labels)
+
 
 if __name__ == "__main__":
     main()
