@@ -6,6 +6,11 @@ One attention layer of the benchmarks' Llama (12 heads of 64, fp32 cache as on C
 scattered over a 4,096-block cache. Median of ``--repeats`` timings of each call.
 
     python benchmarks/decode_attention.py
+    python benchmarks/decode_attention.py --mixed 304,160,64 300,200,120,50
+
+``--mixed`` times a step's decodes of mixed context lengths through the compiled kernel,
+grouped as the runner does (one call per group) with and without the padding allowance
+the runner gives the kernel (``_KERNEL_PADDING_KEYS``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import functools
 import torch
 
 from common import timed
+from triollm.model import torch_runner
 from triollm.model.attention import (
     DecodeGroup,
     KVCacheSpec,
@@ -41,6 +47,8 @@ def main() -> None:
                                                         "48x320", "64x512"],
                         help="BATCHxCONTEXT pairs")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--mixed", nargs="+", metavar="CTX,CTX,...",
+                        help="instead: one step's decodes with these context lengths")
     args = parser.parse_args()
     torch.manual_seed(0)
     module = torch.nn.Module()
@@ -50,6 +58,9 @@ def main() -> None:
     cache.values[0].normal_()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; one layer, "
           f"{HEADS} heads x {DIM}, fp32 cache; median of {args.repeats}")
+    if args.mixed:
+        mixed(module, cache, args.mixed, args.repeats)
+        return
     print(f"{'batch x context':>16} {'gather + SDPA':>14} {'compiled':>10} {'speed-up':>9}")
     for shape in args.shapes:
         batch, context = map(int, shape.split("x"))
@@ -69,6 +80,34 @@ def main() -> None:
                 _forward, module, query, key, value, metadata), args.repeats)
         print(f"{shape:>16} {results['gather'] * 1e3:11.3f} ms {results['compiled'] * 1e3:7.3f} ms"
               f" {results['gather'] / results['compiled']:8.2f}x", flush=True)
+
+
+def mixed(module: torch.nn.Module, cache: PagedKVCache, steps: list[str], repeats: int) -> None:
+    print(f"{'contexts':>24} {'25% rule':>16} {'with allowance':>20} {'speed-up':>9}")
+    for step in steps:
+        contexts = sorted((int(c) for c in step.split(",")), reverse=True)
+        widths = [-(-c // BLOCK) for c in contexts]
+        order = torch.randperm(BLOCKS)[:sum(widths)].tolist()
+        tables = [order[sum(widths[:i]):sum(widths[:i + 1])] for i in range(len(widths))]
+        batch = len(contexts)
+        query, key, value = (torch.randn(1, HEADS, batch, DIM) for _ in range(3))
+        slots = torch.tensor([t[-1] * BLOCK + (c - 1) % BLOCK
+                              for t, c in zip(tables, contexts, strict=True)])
+        results = {}
+        for label, padding_blocks in (("rule", 0),
+                                      ("allowance", torch_runner._KERNEL_PADDING_KEYS // BLOCK)):
+            spans = torch_runner.decode_spans(widths, padding_blocks)
+            groups = [DecodeGroup(start, end, torch.tensor(
+                [t + [0] * (widths[start] - len(t)) for t in tables[start:end]]),
+                torch.tensor(contexts[start:end])) for start, end in spans]
+            metadata = PagedAttentionMetadata(kv_cache=cache, slot_mapping=slots,
+                                              decode_groups=groups,
+                                              decode_kernel=compiled_paged_decode_attention)
+            results[label] = (len(spans), timed(functools.partial(
+                _forward, module, query, key, value, metadata), repeats))
+        (rule_calls, rule_time), (calls, time) = results["rule"], results["allowance"]
+        print(f"{step:>24} {rule_time * 1e3:7.3f} ms ({rule_calls} calls) {time * 1e3:9.3f} ms "
+              f"({calls} calls) {rule_time / time:8.2f}x", flush=True)
 
 
 if __name__ == "__main__":

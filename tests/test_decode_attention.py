@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from triollm import LLM, SamplingParams
 from triollm.model import torch_runner
@@ -102,3 +104,19 @@ def test_a_failed_compile_falls_back_to_the_gather_path(
     assert "no C++ compiler here" in caplog.text
     eager = LLM(str(llama_path), dtype="float32", max_model_len=128, enforce_eager=True)
     assert _generate(llm) == _generate(eager)
+
+
+@given(widths=st.lists(st.integers(1, 80), max_size=40), padding_blocks=st.integers(0, 40))
+def test_decode_spans_cover_the_step_and_bound_each_rows_padding(
+        widths: list[int], padding_blocks: int) -> None:
+    widths = sorted(widths, reverse=True)
+    spans = torch_runner.decode_spans(widths, padding_blocks)
+    assert [i for start, end in spans for i in range(start, end)] == list(range(len(widths)))
+    for start, end in spans:
+        for width in widths[start:end]:
+            assert (width * torch_runner._MAX_DECODE_PADDING >= widths[start]
+                    or widths[start] - width <= padding_blocks)
+        if end < len(widths):  # a group ends only where the next decode would break both
+            next_width = widths[end]
+            assert next_width * torch_runner._MAX_DECODE_PADDING < widths[start]
+            assert widths[start] - next_width > padding_blocks

@@ -32,7 +32,7 @@ from triollm.model.packed_linear import pack_linear_layers
 from triollm.model.runner import RunnerOutput, TokenLogprobs
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
 
-__all__ = ["TorchModelRunner"]
+__all__ = ["TorchModelRunner", "decode_spans"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,28 @@ _PROFILE_TOKENS = 8
 #: A decode joins a group if the group's longest block table is at most this many
 #: times its own.
 _MAX_DECODE_PADDING = 1.25
+#: With the compiled kernel, which reads blocks in place, a call costs about as much as
+#: a few hundred keys of padding, so a decode also joins a group when padding it adds
+#: at most this many keys. (Few decodes of mixed lengths: one call instead of 3-4,
+#: about 1.5-2.5x faster attention; ``benchmarks/decode_attention.py --mixed``.)
+_KERNEL_PADDING_KEYS = 512
+
+
+def decode_spans(widths: list[int], padding_blocks: int) -> list[tuple[int, int]]:
+    """Split decodes, sorted by block-table width longest first, into ``[start, end)``
+    groups: a decode joins the group if padding it to the group's width adds at most a
+    quarter (``_MAX_DECODE_PADDING``) or at most ``padding_blocks`` blocks."""
+    spans = []
+    start = 0
+    while start < len(widths):
+        width = widths[start]
+        end = start + 1
+        while end < len(widths) and (widths[end] * _MAX_DECODE_PADDING >= width
+                                     or width - widths[end] <= padding_blocks):
+            end += 1
+        spans.append((start, end))
+        start = end
+    return spans
 
 
 @dataclass
@@ -253,21 +275,15 @@ class TorchModelRunner:
         )
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
-        """Split decodes (sorted longest first) where padding to the group's longest table
-        would exceed a quarter of the work."""
+        padding_keys = _KERNEL_PADDING_KEYS if self.decode_kernel is not None else 0
         groups = []
-        start = 0
-        while start < len(tables):
+        for start, end in decode_spans([len(t) for t in tables], padding_keys // self.block_size):
             width = len(tables[start])
-            end = start + 1
-            while end < len(tables) and len(tables[end]) * _MAX_DECODE_PADDING >= width:
-                end += 1
             padded = [t + [0] * (width - len(t)) for t in tables[start:end]]
             groups.append(DecodeGroup(
                 start, end,
                 torch.tensor(padded, dtype=torch.long, device=self.device),
                 torch.tensor(lens[start:end], dtype=torch.long, device=self.device)))
-            start = end
         return groups
 
     def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
