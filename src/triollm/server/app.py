@@ -45,6 +45,7 @@ from triollm.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatMessageOut,
     ChatStreamChoice,
     ChatTokenLogprob,
@@ -463,6 +464,15 @@ def build_app(state: ServerState) -> ASGIApp:
             raise bad_request(error) from error
         return model
 
+    def render_chat(messages: list[ChatMessage], chat_template: str | None,
+                    add_generation_prompt: bool, tools: list[dict[str, Any]] | None
+                    ) -> list[int]:
+        """Chat messages through the chat template, as token ids."""
+        return list(tokenizer.apply_chat_template(
+            [m.model_dump(exclude_none=True) for m in messages], chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, tools=tools, tokenize=True,
+            return_dict=False))
+
     def request_id_for(request: Request, body: Any, prefix: str) -> str:
         return body.request_id or request.headers.get("x-request-id") or random_id(prefix)
 
@@ -493,11 +503,8 @@ def build_app(state: ServerState) -> ASGIApp:
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         check_model(body.model)
         if body.messages is not None:
-            tokens = tokenizer.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in body.messages],
-                chat_template=settings.chat_template,
-                add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-                tokenize=True, return_dict=False)
+            tokens = render_chat(body.messages, settings.chat_template,
+                                 body.add_generation_prompt, body.tools)
         elif body.prompt is not None:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
@@ -519,12 +526,6 @@ def build_app(state: ServerState) -> ASGIApp:
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model = check_request(body)
-        if body.suffix is not None:
-            raise OpenAIError(400, "suffix: not supported", param="suffix")
-        if body.best_of not in (None, 1, body.n):
-            # vLLM's V1 engine dropped best_of too; n samples plus logprobs replace it.
-            raise OpenAIError(400, "best_of: not supported (use n and logprobs)",
-                              param="best_of")
         prompts = _prompts_of(body.prompt)
         try:
             params = body.sampling_params(
@@ -575,11 +576,8 @@ def build_app(state: ServerState) -> ASGIApp:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = check_request(body)
         try:
-            token_ids = tokenizer.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in body.messages],
-                chat_template=body.chat_template or settings.chat_template,
-                add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-                tokenize=True, return_dict=False)
+            token_ids = render_chat(body.messages, body.chat_template or settings.chat_template,
+                                    body.add_generation_prompt, body.tools)
         except Exception as error:  # template errors are the request's fault
             raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
                               param="messages") from error

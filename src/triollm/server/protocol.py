@@ -178,6 +178,14 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix is not None:
+            raise ValueError("suffix: not supported")
+        if self.best_of not in (None, 1, self.n):
+            # vLLM's V1 engine dropped best_of too; n samples plus logprobs replace it.
+            raise ValueError("best_of: not supported (use n and logprobs)")
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
