@@ -1,8 +1,7 @@
-"""The public surface: exports, the offline LLM API, the demo model, import rules."""
+"""The public surface: exports, the offline LLM API, the demo model."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
@@ -20,75 +19,6 @@ def test_exports_are_exactly_the_public_api() -> None:
     ])
     for name in triollm.__all__:
         assert getattr(triollm, name) is not None
-
-
-SRC = Path(triollm.__file__).parent
-
-
-def imported_modules(module: str) -> set[str]:
-    """Every module that ``module`` imports, following triollm's own modules
-    transitively (including lazy imports inside functions)."""
-    seen: set[str] = set()
-    found: set[str] = set()
-    todo = [module]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        relative = Path(*name.split(".")[1:])
-        path = SRC / relative / "__init__.py" if (SRC / relative).is_dir() else \
-            SRC / relative.with_suffix(".py")
-        for node in runtime_nodes(ast.parse(path.read_text())):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            for imported in names:
-                found.add(imported)
-                if imported.startswith("triollm."):
-                    todo.append(imported)
-    return found
-
-
-def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """All nodes except those under ``if TYPE_CHECKING:``, which never run."""
-    nodes: list[ast.AST] = []
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            todo.extend(node.orelse)
-            continue
-        nodes.append(node)
-        todo.extend(ast.iter_child_nodes(node))
-    return nodes
-
-
-def forbidden(module: str, roots: tuple[str, ...]) -> list[str]:
-    return sorted(m for m in imported_modules(module) if m.split(".")[0] in roots)
-
-
-@pytest.mark.parametrize("module", [
-    "triollm.engine.request", "triollm.engine.scheduler", "triollm.engine.block_manager",
-    "triollm.sampling_params", "triollm.outputs", "triollm.engine.detokenizer",
-    "triollm.model.runner",
-])
-def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
-    assert forbidden(module, ("torch", "anyio", "trio", "asyncio")) == []
-
-
-@pytest.mark.parametrize("module", [
-    "triollm.model.attention", "triollm.model.sampler", "triollm.model.torch_runner",
-    "triollm.model.loader", "triollm.engine.core", "triollm.llm", "triollm.server.protocol",
-])
-def test_model_and_sync_engine_code_never_import_an_event_loop(module: str) -> None:
-    assert forbidden(module, ("anyio", "trio", "asyncio")) == []
-
-
-def test_the_import_check_sees_real_imports() -> None:
-    assert "torch" in {m.split(".")[0] for m in imported_modules("triollm.model.sampler")}
 
 
 def test_generate_returns_outputs_in_input_order_with_per_prompt_params(

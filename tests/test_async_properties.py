@@ -38,8 +38,7 @@ from triollm import (
     RequestOutputKind,
     SamplingParams,
 )
-from triollm.engine.scheduler import SchedulerOutput
-from triollm.model.runner import RunnerOutput
+from triollm.step import RunnerOutput, SchedulerOutput
 from triollm.testing import FakeModelRunner, fake_completion
 
 VOCAB = 900  # below the demo config vocabulary (prompts are validated against it)

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from triollm.cli import build_parser, engine_args_from_namespace, server_options_from_namespace
-from triollm.config import AsyncEngineArgs
+from triollm.engine.args import AsyncEngineArgs
 
 #: The flags the server issue asks for, spelled as `vllm serve` spells them.
 VLLM_FLAGS = [

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 from triollm import LLM, EngineArgs, SamplingParams
 from triollm.engine.core import EngineCore
-from triollm.engine.scheduler import SchedulerOutput
-from triollm.model.runner import RunnerOutput
+from triollm.step import RunnerOutput, SchedulerOutput
 from triollm.testing import FakeModelRunner, fake_completion
 
 VOCAB = 500

@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 
 from triollm import EngineArgs, SamplingParams
 from triollm.engine.core import EngineCore
-from triollm.engine.scheduler import SchedulerOutput
-from triollm.model.runner import RunnerOutput
+from triollm.step import RunnerOutput, SchedulerOutput
 from triollm.testing import FakeModelRunner, fake_completion
 
 VOCAB = 500

@@ -19,10 +19,9 @@ from hypothesis import strategies as st
 
 from triollm import AsyncEngineArgs, AsyncLLMEngine, EngineArgs, SamplingParams
 from triollm.engine.core import EngineCore
-from triollm.engine.scheduler import SchedulerOutput
 from triollm.engine.step_time import StepShape, StepTimeModel, attention_pairs
-from triollm.model.runner import RunnerOutput
 from triollm.outputs import RequestOutput
+from triollm.step import RunnerOutput, SchedulerOutput
 from triollm.testing import FakeModelRunner, fake_completion
 
 VOCAB = 900  # within the demo model's vocabulary

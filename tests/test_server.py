@@ -17,8 +17,9 @@ import pytest
 
 from server_helpers import ThreadedServer, server_in_thread
 from triollm import AsyncEngineArgs, AsyncLLMEngine
-from triollm.server.app import CorsSettings, ServerSettings, ServerState, build_app
+from triollm.server.app import build_app
 from triollm.server.metrics import PrometheusStatLogger
+from triollm.server.state import CorsSettings, ServerSettings, ServerState
 from triollm.testing import FakeModelRunner
 
 API_KEY = "sk-test-key"

@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 from triollm import LLM, EngineArgs, SamplingParams
-from triollm.model.loader import UnsupportedModelError
+from triollm.errors import UnsupportedModelError
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from triollm.config import AsyncEngineArgs, EngineArgs
-from triollm.engine.async_engine import AsyncLLMEngine, EngineStatistics
+from triollm.engine.args import AsyncEngineArgs, EngineArgs
+from triollm.engine.async_engine import AsyncLLMEngine
 from triollm.engine.inputs import TextPrompt, TokensPrompt
+from triollm.engine.stats import EngineStatistics
 from triollm.errors import EngineClosedError, EngineDeadError, EngineError
 from triollm.llm import LLM
-from triollm.model.runner import ModelRunner, RunnerOutput
 from triollm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from triollm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+from triollm.step import ModelRunner, RunnerOutput
 
 __all__ = [
     "LLM",

@@ -12,7 +12,7 @@ import typing
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from triollm.config import AsyncEngineArgs, EngineArgs
+from triollm.engine.args import AsyncEngineArgs, EngineArgs
 
 if TYPE_CHECKING:
     from triollm.server.serve import ServerOptions

@@ -14,9 +14,12 @@ Exception
 
 from __future__ import annotations
 
-from triollm.model.loader import UnsupportedModelError
-
 __all__ = ["EngineClosedError", "EngineDeadError", "EngineError", "UnsupportedModelError"]
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture does not route attention through transformers'
+    attention interface, so the engine cannot plug its paged attention into it."""
 
 
 class EngineError(RuntimeError):

@@ -9,7 +9,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from triollm.config import DEMO_MODEL_NAME, EngineArgs
+from triollm.config import DEMO_MODEL_NAME
+from triollm.engine.args import EngineArgs
 from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType
 from triollm.outputs import RequestOutput

@@ -16,8 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from triollm.engine.scheduler import SchedulerOutput
-from triollm.model.runner import RunnerOutput
+from triollm.step import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

@@ -18,91 +18,38 @@
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import sys
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
-import sniffio
-import trio
-import trio.lowlevel
 
-from triollm.engine.core import EngineCore, IterationStats
+from triollm.engine.channel import RequestChannel, Wakeup, wakeup_factory
+from triollm.engine.core import EngineCore
+from triollm.engine.inputs import PromptType
+from triollm.engine.stats import EngineStatistics, StatLogger
 from triollm.engine.worker import ModelWorker, open_model_worker
 from triollm.errors import EngineClosedError, EngineDeadError
-from triollm.outputs import CompletionOutput, RequestOutput
-from triollm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+from triollm.outputs import RequestOutput
+from triollm.sampling_params import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
-    from triollm.config import AsyncEngineArgs, EngineConfig, ModelConfig, SchedulerConfig
-    from triollm.model.runner import ModelRunner
+    from transformers import PreTrainedTokenizerBase
 
-__all__ = ["AsyncLLMEngine", "EngineStatistics", "StatLogger"]
+    from triollm.config import EngineConfig, ModelConfig, SchedulerConfig
+    from triollm.engine.args import AsyncEngineArgs
+    from triollm.step import ModelRunner
+
+__all__ = ["AsyncLLMEngine"]
 
 logger = logging.getLogger(__name__)
 
 RunnerFactory = Callable[[], "ModelRunner"]
-
-
-class StatLogger(Protocol):
-    """Receives what each step did (see ``IterationStats``), on the event loop. For the
-    engine's state at any moment, read ``engine.statistics()``."""
-
-    def record(self, stats: IterationStats) -> None: ...
 _DEFAULT_STREAM_BUFFER = 1
-
-
-@dataclass(frozen=True)
-class EngineStatistics:
-    """A snapshot of the engine (trio's ``statistics()`` convention)."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_open_streams: int
-    num_preemptions: int
-    num_steps: int
-    #: Prompt tokens looked up in the prefix cache since start, and how many were found.
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-
-def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """Fold two DELTA outputs of one request into one, completions matched by index."""
-    merged: dict[int, CompletionOutput] = {c.index: c for c in older.outputs}
-    for new in newer.outputs:
-        old = merged.get(new.index)
-        if old is None:
-            merged[new.index] = new
-            continue
-        logprobs = None
-        if old.logprobs is not None or new.logprobs is not None:
-            logprobs = (old.logprobs or []) + (new.logprobs or [])
-        merged[new.index] = CompletionOutput(
-            index=new.index,
-            text=old.text + new.text,
-            token_ids=old.token_ids + new.token_ids,
-            cumulative_logprob=new.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=new.finish_reason,
-            stop_reason=new.stop_reason,
-        )
-    return RequestOutput(
-        request_id=newer.request_id,
-        prompt=newer.prompt,
-        prompt_token_ids=newer.prompt_token_ids,
-        prompt_logprobs=older.prompt_logprobs or newer.prompt_logprobs,
-        outputs=[merged[i] for i in sorted(merged)],
-        finished=newer.finished,
-        metrics=newer.metrics,
-    )
 
 
 def _sole_exception(error: BaseException) -> BaseException:
@@ -110,160 +57,6 @@ def _sole_exception(error: BaseException) -> BaseException:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error
-
-
-class _Wakeup(Protocol):
-    """A one-shot wake-up: one waiter, set at most once (a cancellation point to wait)."""
-
-    def set(self) -> None: ...
-
-    async def wait(self) -> None: ...
-
-
-class _FutureWakeup:
-    """asyncio's cheapest wake-up: a bare future (anyio cancels a task by cancelling the
-    future it awaits, exactly as with ``asyncio.Event``)."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self) -> None:
-        self._future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def set(self) -> None:
-        if not self._future.done():
-            self._future.set_result(None)
-
-    async def wait(self) -> None:
-        await self._future
-
-
-class _TrioWakeup:
-    """trio's cheapest wake-up: park the task with ``wait_task_rescheduled`` (how trio's
-    own primitives are built), without an ``Event`` and its parking lot."""
-
-    __slots__ = ("_is_set", "_task")
-
-    def __init__(self) -> None:
-        self._task: Any = None
-        self._is_set = False
-
-    def set(self) -> None:
-        self._is_set = True
-        task, self._task = self._task, None
-        if task is not None:
-            trio.lowlevel.reschedule(task)
-
-    async def wait(self) -> None:
-        if self._is_set:
-            await trio.lowlevel.checkpoint()
-            return
-        self._task = trio.lowlevel.current_task()
-        await trio.lowlevel.wait_task_rescheduled(self._abort)
-
-    def _abort(self, raise_cancel: Any) -> Any:
-        self._task = None
-        return trio.lowlevel.Abort.SUCCEEDED
-
-
-def _wakeup_factory() -> Callable[[], _Wakeup]:
-    """The cheapest wake-up for the running backend; ``anyio.Event`` on any other.
-
-    One is made per wait, so for thousands of streams the wrapper layers matter."""
-    library = sniffio.current_async_library()
-    if library == "asyncio":
-        return _FutureWakeup
-    if library == "trio":
-        return _TrioWakeup
-    return anyio.Event
-
-
-class _RequestChannel:
-    """One request's path from the step loop to its consumer.
-
-    The outputs travel in a bounded anyio memory object stream, written with
-    ``send_nowait`` and read with ``receive_nowait``. A consumer with nothing to read
-    waits on a one-shot wake-up that ``put`` sets. (anyio's blocking ``receive`` adds a
-    checkpoint, a task lookup and an ``Event`` per call; with thousands of streams that
-    dominated delivery.) Behind a full buffer, outputs merge into ``pending``.
-    """
-
-    __slots__ = (
-        "_buffered",
-        "_make_wakeup",
-        "_wakeup",
-        "closed",
-        "error",
-        "output_kind",
-        "pending",
-        "receive",
-        "request_id",
-        "send",
-    )
-
-    def __init__(self, request_id: str, output_kind: RequestOutputKind, buffer_size: int,
-                 make_wakeup: Callable[[], _Wakeup]) -> None:
-        self.request_id = request_id
-        self.output_kind = output_kind
-        self.send, self.receive = anyio.create_memory_object_stream[RequestOutput](buffer_size)
-        self.pending: RequestOutput | None = None
-        self.error: BaseException | None = None
-        self.closed = False
-        self._buffered = 0
-        self._wakeup: _Wakeup | None = None
-        self._make_wakeup = make_wakeup
-
-    def put(self, output: RequestOutput) -> None:
-        """Deliver without blocking: behind a full buffer, merge into ``pending``."""
-        if self.closed:
-            return
-        if self.pending is not None:
-            self.pending = (_merge(self.pending, output)
-                            if self.output_kind is RequestOutputKind.DELTA else output)
-        else:
-            try:
-                self.send.send_nowait(output)
-                self._buffered += 1
-            except anyio.WouldBlock:
-                self.pending = output
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass  # the consumer has gone; its request is aborted by generate()
-        if output.finished:
-            self.close()
-        else:
-            self._wake_consumer()
-
-    def fail(self, error: BaseException) -> None:
-        if not self.closed:
-            self.error = error
-            self.close()
-
-    def close(self) -> None:
-        self.closed = True
-        self.send.close()
-        self._wake_consumer()
-
-    def _wake_consumer(self) -> None:
-        wakeup, self._wakeup = self._wakeup, None
-        if wakeup is not None:
-            wakeup.set()
-
-    async def get(self) -> RequestOutput:
-        """The next output; ``StopAsyncIteration`` at the end, or the stream's error.
-
-        Returns at once when an output is ready; otherwise waits (a cancellation point).
-        """
-        while not (self._buffered or self.pending is not None or self.closed):
-            wakeup = self._wakeup = self._make_wakeup()
-            await wakeup.wait()
-        if self._buffered:
-            self._buffered -= 1
-            return self.receive.receive_nowait()
-        if self.pending is not None:
-            output, self.pending = self.pending, None
-            return output
-        if self.error is not None:
-            raise self.error
-        raise StopAsyncIteration
 
 
 class AsyncLLMEngine:
@@ -279,7 +72,7 @@ class AsyncLLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         runner_factory: RunnerFactory,
         *,
         log_requests: bool = True,
@@ -297,14 +90,14 @@ class AsyncLLMEngine:
         self._stream_buffer_size = stream_buffer_size
         self._core: EngineCore | None = None
         self._worker: ModelWorker | None = None
-        self._channels: dict[str, _RequestChannel] = {}
+        self._channels: dict[str, RequestChannel] = {}
         self._work_available: anyio.Event | None = None
         self._dead_error: EngineDeadError | None = None
         self._started = False
         self._running = False
         self._num_steps = 0
         self._task_group: anyio.abc.TaskGroup | None = None
-        self._make_wakeup: Callable[[], _Wakeup] = anyio.Event
+        self._make_wakeup: Callable[[], Wakeup] = anyio.Event
         self._stat_loggers: list[StatLogger] = list(stat_loggers or [])
 
     @classmethod
@@ -371,7 +164,7 @@ class AsyncLLMEngine:
         if self._started:
             raise RuntimeError("this engine has already been started; make a new one")
         self._started = True
-        self._make_wakeup = _wakeup_factory()
+        self._make_wakeup = wakeup_factory()
         try:
             await self._run(task_status)
         except BaseExceptionGroup as group:
@@ -473,12 +266,12 @@ class AsyncLLMEngine:
 
     async def generate(
         self,
-        prompt: Any,
+        prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
         *,
         priority: int = 0,
-        lora_request: Any = None,
+        lora_request: object = None,
         trace_headers: Mapping[str, str] | None = None,
         is_latency_sensitive: bool = False,
         slo: float | None = None,
@@ -517,10 +310,10 @@ class AsyncLLMEngine:
             if not finished:
                 self._abort_now(request_id, channel)
 
-    def _add_request(self, prompt: Any, params: SamplingParams, request_id: str,
+    def _add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
                      priority: int, is_latency_sensitive: bool = False,
                      slo: float | None = None,
-                     ttft_slo: float | None = None) -> _RequestChannel:
+                     ttft_slo: float | None = None) -> RequestChannel:
         if self._dead_error is not None:
             raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
         core = self._core
@@ -534,7 +327,7 @@ class AsyncLLMEngine:
         core.add_request(request_id, prompt, params, priority=priority,
                          is_latency_sensitive=is_latency_sensitive, slo=slo,
                          ttft_slo=ttft_slo)
-        channel = _RequestChannel(request_id, params.output_kind, self._stream_buffer_size,
+        channel = RequestChannel(request_id, params.output_kind, self._stream_buffer_size,
                                   self._make_wakeup)
         self._channels[request_id] = channel
         if self.log_requests:
@@ -542,13 +335,13 @@ class AsyncLLMEngine:
         self._wake()
         return channel
 
-    def _log_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+    def _log_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         shown = prompt
         if self.max_log_len is not None and isinstance(prompt, str | list):
             shown = prompt[: self.max_log_len]
         logger.info("Received request %s: prompt: %r, params: %s.", request_id, shown, params)
 
-    def _abort_now(self, request_id: str, channel: _RequestChannel | None = None) -> None:
+    def _abort_now(self, request_id: str, channel: RequestChannel | None = None) -> None:
         core = self._core
         outputs = core.abort_requests([request_id]) if core is not None else []
         current = self._channels.get(request_id)
@@ -570,8 +363,8 @@ class AsyncLLMEngine:
         self._abort_now(request_id)
         await anyio.lowlevel.checkpoint()
 
-    async def encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str,
-                     **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+                     **kwargs: object) -> AsyncGenerator[RequestOutput, None]:
         """Embeddings are not served yet."""
         raise NotImplementedError("embeddings (encode) are not supported yet")
         yield  # pragma: no cover  (makes this an async generator, like generate)
@@ -632,10 +425,10 @@ class AsyncLLMEngine:
     async def get_scheduler_config(self) -> SchedulerConfig:
         return self.config.scheduler
 
-    async def get_tokenizer(self, lora_request: Any = None) -> Any:
+    async def get_tokenizer(self, lora_request: object = None) -> PreTrainedTokenizerBase:
         return self.tokenizer
 
-    async def do_log_stats(self, *args: Any, **kwargs: Any) -> None:
+    async def do_log_stats(self, *args: object, **kwargs: object) -> None:
         stats = self.statistics()
         used = stats.num_total_blocks - stats.num_free_blocks
         usage = used / stats.num_total_blocks if stats.num_total_blocks else 0.0

@@ -9,67 +9,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
 from triollm.config import EngineConfig
 from triollm.engine.block_manager import BlockManager
-from triollm.engine.detokenizer import IncrementalDetokenizer
-from triollm.engine.inputs import bad_words_token_ids, process_prompt
+from triollm.engine.detokenizer import Tokenizer
+from triollm.engine.inputs import PromptType, bad_words_token_ids, process_prompt
+from triollm.engine.output_processor import OutputProcessor, ParentRequest
 from triollm.engine.request import Request, RequestStatus
-from triollm.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics
-from triollm.model.runner import ModelRunner, RunnerOutput, TokenLogprobs
-from triollm.outputs import CompletionOutput, Logprob, RequestOutput
-from triollm.sampling_params import RequestOutputKind, SamplingParams
+from triollm.engine.scheduler import Scheduler, SchedulerStatistics
+from triollm.engine.stats import FinishedRequestStats, IterationStats
+from triollm.outputs import RequestOutput
+from triollm.sampling_params import SamplingParams
+from triollm.step import ModelRunner, RunnerOutput, SchedulerOutput
 
-__all__ = ["EngineCore", "FinishedRequestStats", "IterationStats"]
-
-
-@dataclass(frozen=True, slots=True)
-class FinishedRequestStats:
-    finish_reason: str
-    e2e_latency: float
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    #: Whether a request with an SLO kept to it (None for requests without one).
-    slo_attained: bool | None = None
-
-
-@dataclass
-class IterationStats:
-    """What happened since the stats were last taken: the raw material of metrics
-    (vLLM's names: prompt / generation tokens, TTFT, inter-token latency, finished)."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    time_to_first_token: list[float] = field(default_factory=list)
-    inter_token_latency: list[float] = field(default_factory=list)
-    finished: list[FinishedRequestStats] = field(default_factory=list)
-
-
-@dataclass
-class _ParentRequest:
-    """A user request: ``n`` sampled sequences that share one prompt and one output."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    output_kind: RequestOutputKind
-    children: list[Request]
-    prompt_logprobs_sent: bool = False
-
-    @property
-    def finished(self) -> bool:
-        children = self.children
-        if len(children) == 1:
-            return children[0].is_finished
-        return all(child.is_finished for child in children)
+__all__ = ["EngineCore"]
 
 
 class EngineCore:
     """Adds requests, runs steps, and turns the runner's tokens into ``RequestOutput``."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Any, *,
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer | None, *,
                  clock: Callable[[], float] = time.time) -> None:
         self.config = config
         #: Wall-clock seconds for request timestamps and step times (a test can pass a
@@ -84,9 +43,11 @@ class EngineCore:
         self.vocab_size = int(config.model.hf_config.vocab_size)
         self.max_model_len = config.model.max_model_len
         self.eos_token_ids = _eos_token_ids(config, tokenizer)
-        self._parents: dict[str, _ParentRequest] = {}
+        self.output_processor = OutputProcessor(tokenizer, eos_token_ids=self.eos_token_ids,
+                                                max_model_len=self.max_model_len)
+        self._parents: dict[str, ParentRequest] = {}
         self._requests: dict[str, Request] = {}
-        self._parent_of: dict[str, _ParentRequest] = {}
+        self._parent_of: dict[str, ParentRequest] = {}
         #: Gather ``IterationStats`` for ``take_stats()`` (off unless someone takes them,
         #: so an offline run does not accumulate per-token latencies).
         self.collect_stats = False
@@ -101,7 +62,7 @@ class EngineCore:
     def add_request(
         self,
         request_id: str,
-        prompt: Any,
+        prompt: PromptType,
         params: SamplingParams,
         *,
         arrival_time: float | None = None,
@@ -145,16 +106,10 @@ class EngineCore:
                             priority=priority, index=index,
                             is_latency_sensitive=is_latency_sensitive, slo=slo,
                             ttft_slo=ttft_slo)
-            if child_params.detokenize:
-                child.detokenizer = IncrementalDetokenizer(
-                    self.tokenizer,
-                    processed.token_ids,
-                    skip_special_tokens=child_params.skip_special_tokens,
-                    stop=list(child_params.stop or []),
-                    include_stop_str_in_output=child_params.include_stop_str_in_output,
-                )
+            child.detokenizer = self.output_processor.make_detokenizer(child_params,
+                                                                       processed.token_ids)
             children.append(child)
-        parent = _ParentRequest(request_id, processed.text, processed.token_ids,
+        parent = ParentRequest(request_id, processed.text, processed.token_ids,
                                 params.output_kind, children)
         self._parents[request_id] = parent
         for child in children:
@@ -180,7 +135,7 @@ class EngineCore:
             self._finish(child, RequestStatus.FINISHED_ABORTED, now)
         outputs = []
         for parent in parents.values():
-            output = self._make_output(parent, True)
+            output = self.output_processor.make_output(parent, True)
             if output is not None:
                 outputs.append(output)
             self._forget(parent)
@@ -229,15 +184,15 @@ class EngineCore:
         started = self._previous_step_end
         self.scheduler.observe_step_time(
             scheduler_output, now - (self._step_started if started is None else started))
-        touched: dict[str, _ParentRequest] = {}
+        touched: dict[str, ParentRequest] = {}
         finished: dict[RequestStatus, list[str]] = {}
         for item in scheduler_output.scheduled:
             request = self._requests.get(item.request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
             prompt_lps = runner_output.prompt_logprobs.get(item.request_id)
-            if prompt_lps and request.prompt_logprobs is not None:
-                request.prompt_logprobs.extend(self._logprob_dict(lp) for lp in prompt_lps)
+            if prompt_lps:
+                self.output_processor.append_prompt_logprobs(request, prompt_lps)
             token = runner_output.sampled_token_ids.get(item.request_id)
             if token is None:
                 continue
@@ -249,11 +204,9 @@ class EngineCore:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             token_lp = runner_output.logprobs.get(item.request_id)
-            if token_lp is not None and request.logprobs is not None:
-                request.logprobs.append(self._logprob_dict(token_lp))
-                previous = request.cumulative_logprob or 0.0
-                request.cumulative_logprob = previous + token_lp.logprobs[0]
-            status = self._check_stop(request, token)
+            if token_lp is not None:
+                self.output_processor.append_logprobs(request, token_lp)
+            status = self.output_processor.check_stop(request, token)
             if status is not None:
                 self._finish(request, status, now)  # the scheduler frees it below
                 finished.setdefault(status, []).append(request.request_id)
@@ -265,7 +218,7 @@ class EngineCore:
         outputs = []
         for parent in touched.values():
             finished_now = parent.finished
-            output = self._make_output(parent, finished_now)
+            output = self.output_processor.make_output(parent, finished_now)
             if output is not None:
                 outputs.append(output)
             if finished_now:
@@ -273,85 +226,7 @@ class EngineCore:
         self._previous_step_end = now if self.scheduler.has_unfinished_requests() else None
         return outputs
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.detokenizer is not None:
-            stop = request.detokenizer.append_token(
-                token, check_stop=request.num_output_tokens >= params.min_tokens)
-            if stop is not None:
-                request.stop_reason = stop
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in (params.stop_token_ids or ()):
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
-    # -- outputs -------------------------------------------------------------------
-
-    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
-        result: dict[int, Logprob] = {}
-        for token_id, value, rank in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True):
-            if token_id not in result:
-                text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
-                result[token_id] = Logprob(logprob=value, rank=rank, decoded_token=text)
-        return result
-
-    def _make_output(self, parent: _ParentRequest, finished: bool) -> RequestOutput | None:
-        kind = parent.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        delta = kind is RequestOutputKind.DELTA
-        completions = [self._completion(child, delta) for child in parent.children]
-        if delta:
-            completions = [c for c, child in zip(completions, parent.children, strict=True)
-                           if c.token_ids or c.text or child.is_finished]
-        first = parent.children[0]
-        prompt_logprobs = first.prompt_logprobs
-        if delta and parent.prompt_logprobs_sent:
-            prompt_logprobs = None
-        parent.prompt_logprobs_sent = True
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=completions,
-            finished=finished,
-            metrics=first.metrics,
-        )
-
-    def _completion(self, request: Request, delta: bool) -> CompletionOutput:
-        finished = request.is_finished
-        text = request.detokenizer.text_to_deliver(finished) if request.detokenizer else ""
-        logprobs = request.logprobs
-        if delta:
-            text_start, token_start = request.num_delivered_chars, request.num_delivered_tokens
-            request.num_delivered_chars = len(text)
-            request.num_delivered_tokens = request.num_output_tokens
-            text = text[text_start:]
-            tokens = request.all_token_ids[request.num_prompt_tokens + token_start:]
-            logprobs = logprobs[token_start:] if logprobs is not None else None
-        else:
-            tokens = request.output_token_ids
-            logprobs = list(logprobs) if logprobs is not None else None
-        return CompletionOutput(
-            index=request.index,
-            text=text,
-            token_ids=tokens,
-            cumulative_logprob=request.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-
-    def _forget(self, parent: _ParentRequest) -> None:
+    def _forget(self, parent: ParentRequest) -> None:
         self._parents.pop(parent.request_id, None)
         for child in parent.children:
             self._requests.pop(child.request_id, None)
@@ -404,7 +279,7 @@ class EngineCore:
         self.runner.shutdown()
 
 
-def _eos_token_ids(config: EngineConfig, tokenizer: Any) -> set[int]:
+def _eos_token_ids(config: EngineConfig, tokenizer: Tokenizer | None) -> set[int]:
     ids: set[int] = set()
     for source in (config.model.hf_config, getattr(tokenizer, "eos_token_id", None)):
         value = getattr(source, "eos_token_id", source) if source is not None else None

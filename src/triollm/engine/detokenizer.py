@@ -11,15 +11,34 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "decode_text"]
 
 _INITIAL_CONTEXT = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
 class Tokenizer(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...,
-               clean_up_tokenization_spaces: bool | None = ...) -> str: ...
+    """What the engine needs of a tokenizer (every transformers tokenizer has it).
+
+    transformers declares ``decode`` as returning ``str | list[str]`` (a list for a
+    batch); read it through ``decode_text``."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...,
+               clean_up_tokenization_spaces: bool | None = ...) -> str | list[str]: ...
+
+
+def decode_text(tokenizer: Tokenizer, token_ids: list[int], *,
+                skip_special_tokens: bool = False,
+                clean_up_tokenization_spaces: bool | None = None) -> str:
+    """One sequence of token ids as text (the tokenizer's own defaults unless given)."""
+    if clean_up_tokenization_spaces is None:
+        text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    else:
+        text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                clean_up_tokenization_spaces=clean_up_tokenization_spaces)
+    return text if isinstance(text, str) else "".join(text)
 
 
 class IncrementalDetokenizer:
@@ -48,11 +67,9 @@ class IncrementalDetokenizer:
         )
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            token_ids,
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        return decode_text(self._tokenizer, token_ids,
+                           skip_special_tokens=self._skip_special_tokens,
+                           clean_up_tokenization_spaces=False)
 
     def append_token(self, token_id: int, *, check_stop: bool = True) -> str | None:
         """Add one token; return the stop string it completed, if any (the text is then

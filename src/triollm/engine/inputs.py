@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict
+from typing import TypedDict
+
+from triollm.engine.detokenizer import Tokenizer
 
 __all__ = ["ProcessedPrompt", "PromptType", "TextPrompt", "TokensPrompt", "bad_words_token_ids",
            "process_prompt"]
@@ -29,17 +31,13 @@ class TokensPrompt(TypedDict):
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 
 
-class _Encoder(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-
 @dataclass(frozen=True)
 class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
 
 
-def process_prompt(prompt: Any, tokenizer: _Encoder, *, max_model_len: int,
+def process_prompt(prompt: object, tokenizer: Tokenizer | None, *, max_model_len: int,
                    vocab_size: int, truncate_to: int | None = None) -> ProcessedPrompt:
     text: str | None
     if isinstance(prompt, str):
@@ -61,6 +59,8 @@ def process_prompt(prompt: Any, tokenizer: _Encoder, *, max_model_len: int,
             raise ValueError("prompt: the 'prompt' field must be a string")
         if not text:
             raise ValueError("prompt: must not be empty")
+        if tokenizer is None:
+            raise ValueError("prompt: this engine has no tokenizer; give prompt_token_ids")
         token_ids = tokenizer.encode(text)
     if not token_ids:
         raise ValueError("prompt: must contain at least one token")
@@ -77,7 +77,7 @@ def process_prompt(prompt: Any, tokenizer: _Encoder, *, max_model_len: int,
     return ProcessedPrompt(text=text, token_ids=token_ids)
 
 
-def bad_words_token_ids(words: list[str], tokenizer: _Encoder) -> list[list[int]]:
+def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int]]:
     """Each bad word as token ids, as vLLM tokenizes them: the word itself and, when it
     tokenizes differently, the word after a space (how it appears mid-sentence)."""
     sequences: list[list[int]] = []

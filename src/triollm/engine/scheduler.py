@@ -24,57 +24,18 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from triollm.engine.block_manager import BlockManager
 from triollm.engine.request import Request, RequestStatus
 from triollm.engine.step_time import StepShape, StepTimeModel, attention_pairs
-from triollm.sampling_params import SamplingParams
+from triollm.step import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from triollm.config import SchedulerConfig
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStatistics"]
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of a step: compute ``token_ids`` at positions
-    ``start_position ...``; if ``sample``, a token is sampled after the last of them."""
-
-    request_id: str
-    token_ids: list[int]
-    start_position: int
-    block_table: list[int]
-    sample: bool
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return (self.sampling_params.prompt_logprobs is not None
-                and self.start_position < len(self.prompt_token_ids) - 1)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """Everything the model runner needs for one step."""
-
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
-    #: Requests that finished or were aborted since the previous step: the runner
-    #: drops whatever per-request state it keeps for them.
-    finished_request_ids: list[str] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["Scheduler", "SchedulerStatistics"]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from triollm.config import DEMO_MODEL_NAME
+from triollm.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DEMO_MODEL_NAME",
     "SUPPORTED_FAMILIES",
-    "UnsupportedModelError",
     "build_demo_tokenizer",
     "check_supported",
     "load_hf_config",
@@ -40,11 +40,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 _SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
-
-
-class UnsupportedModelError(ValueError):
-    """The model's architecture does not route attention through transformers'
-    attention interface, so the engine cannot plug its paged attention into it."""
 
 
 def load_hf_config(model: str, *, trust_remote_code: bool = False) -> PretrainedConfig:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from triollm.model.runner import TokenLogprobs
 from triollm.sampling_params import SamplingParams
+from triollm.step import TokenLogprobs
 
 __all__ = ["SamplingRow", "sample", "token_logprobs"]
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from triollm.config import EngineConfig
-from triollm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from triollm.model.attention import (
     ATTENTION_NAME,
     DecodeGroup,
@@ -29,8 +28,8 @@ from triollm.model.attention import (
 )
 from triollm.model.loader import load_model
 from triollm.model.packed_linear import pack_linear_layers
-from triollm.model.runner import RunnerOutput, TokenLogprobs
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
+from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 
 __all__ = ["TorchModelRunner", "decode_spans"]
 

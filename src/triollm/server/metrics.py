@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from triollm.engine.async_engine import AsyncLLMEngine
-from triollm.engine.core import IterationStats
+from triollm.engine.stats import IterationStats
 
 __all__ = ["CONTENT_TYPE", "PrometheusStatLogger"]
 

@@ -31,8 +31,9 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from triollm.engine.async_engine import AsyncLLMEngine
-from triollm.server.app import CorsSettings, ServerSettings, ServerState, build_app
+from triollm.server.app import build_app
 from triollm.server.metrics import PrometheusStatLogger
+from triollm.server.state import CorsSettings, ServerSettings, ServerState
 
 __all__ = ["CorsSettings", "ServerHandle", "ServerOptions", "run_server"]
 

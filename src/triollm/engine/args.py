@@ -1,0 +1,215 @@
+"""Engine arguments, with vLLM's names and meanings, and their resolution into the
+frozen ``EngineConfig`` (``triollm.config``).
+
+Resolving reads the model's own configuration (through the model layer's loader), so
+it lives here rather than in ``triollm.config``, which stays free of transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from triollm.config import (
+    DEMO_MODEL_NAME,
+    POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+__all__ = ["AsyncEngineArgs", "EngineArgs", "cpu_supports_bf16", "resolve_device",
+           "resolve_dtype"]
+
+_DTYPE_NAMES = {
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+}
+
+
+def _fail(field_name: str, message: str) -> ValueError:
+    return ValueError(f"{field_name}: {message}")
+
+
+def resolve_device(device: str) -> torch.device:
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise _fail("device", f"must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise _fail("device", "CUDA was requested but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def cpu_supports_bf16() -> bool:
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability in ("AVX512", "AVX512_BF16", "AMX") or capability.startswith("AVX512")
+
+
+def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        if device.type == "cuda" or cpu_supports_bf16():
+            return torch.bfloat16
+        return torch.float32
+    elif dtype in _DTYPE_NAMES:
+        resolved = getattr(torch, _DTYPE_NAMES[dtype])
+    else:
+        raise _fail("dtype", f"must be 'auto', 'bfloat16' or 'float32' (or 'float16' on CUDA), "
+                    f"got {dtype!r}")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise _fail("dtype", f"unsupported dtype {resolved}")
+    if resolved == torch.float16 and device.type == "cpu":
+        raise _fail("dtype", "float16 is refused on CPU (it runs about 100x slower than "
+                    "bfloat16 there); use 'bfloat16' or 'float32'")
+    return resolved
+
+
+def _context_length(hf_config: PretrainedConfig) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@dataclass
+class EngineArgs:
+    """Arguments of the engine, with vLLM's names and meanings.
+
+    ``num_gpu_blocks_override`` fixes the number of KV-cache blocks on any device;
+    otherwise the cache takes ``kv_cache_space_gb`` on CPU and
+    ``gpu_memory_utilization`` of the GPU's memory on CUDA.
+    """
+
+    model: str = DEMO_MODEL_NAME
+    tokenizer: str | None = None
+    served_model_name: str | list[str] | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_space_gb: float = 4.0
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    scheduling_policy: str = "fcfs"
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate every field and resolve the model's limits into a frozen config."""
+        self._validate_ranges()
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        # Imported here so that building arguments (``triollm serve --help``) does not
+        # load torch and transformers.
+        from triollm.model.loader import load_hf_config
+
+        hf_config = load_hf_config(self.model, trust_remote_code=self.trust_remote_code)
+        model_limit = _context_length(hf_config)
+        if self.max_model_len is None:
+            if model_limit is None:
+                raise _fail("max_model_len", "the model config names no context length; set it")
+            max_model_len = model_limit
+        else:
+            max_model_len = self.max_model_len
+            if model_limit is not None and max_model_len > model_limit:
+                raise _fail("max_model_len", f"{max_model_len} exceeds the model's context "
+                            f"length {model_limit}")
+        if self.max_num_batched_tokens is None:
+            budget = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+        else:
+            budget = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise _fail("max_num_batched_tokens", f"{budget} is smaller than max_model_len="
+                        f"{max_model_len}; raise it or enable chunked prefill")
+        served = self.served_model_name
+        if isinstance(served, list):
+            served = served[0] if served else None
+        model = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer or self.model,
+            served_model_name=served or self.model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
+            enforce_eager=self.enforce_eager,
+            hf_config=hf_config,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_space_gb=self.kv_cache_space_gb,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=next(p for p in POLICIES if p == self.scheduling_policy),
+        )
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+
+    def _validate_ranges(self) -> None:
+        def positive_int(name: str, value: object) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _fail(name, f"must be an integer >= 1, got {value!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise _fail("model", "must be a non-empty model name or path")
+        positive_int("block_size", self.block_size)
+        positive_int("max_num_seqs", self.max_num_seqs)
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None:
+                positive_int(name, value)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise _fail("gpu_memory_utilization", f"must be in (0, 1], got "
+                        f"{self.gpu_memory_utilization}")
+        if not self.kv_cache_space_gb > 0:
+            raise _fail("kv_cache_space_gb", f"must be > 0, got {self.kv_cache_space_gb}")
+        if self.tensor_parallel_size != 1:
+            raise _fail("tensor_parallel_size", f"only 1 is supported for now, got "
+                        f"{self.tensor_parallel_size}")
+        if self.scheduling_policy not in POLICIES:
+            raise _fail("scheduling_policy", f"must be one of {POLICIES}, got "
+                        f"{self.scheduling_policy!r}")
+        if not isinstance(self.seed, int):
+            raise _fail("seed", f"must be an integer, got {self.seed!r}")
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """``EngineArgs`` plus the async engine's request logging options."""
+
+    disable_log_requests: bool = False
+    disable_log_stats: bool = False
+    max_log_len: int | None = None

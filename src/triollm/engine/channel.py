@@ -1,0 +1,256 @@
+"""One request's path from the step loop to its consumer.
+
+The step loop must never wait for a consumer, and a consumer that lags must not make
+the engine hold one output per step for it. So a ``RequestChannel`` is a bounded anyio
+memory object stream written with ``send_nowait``; behind a full buffer the newest
+outputs fold into one pending output: DELTA outputs concatenate, CUMULATIVE and
+FINAL_ONLY outputs supersede. Folding is in place (token ids and logprobs extended,
+text pieces joined once when the consumer reads), so a stalled stream costs the loop
+the size of each new output, not the size of its whole backlog.
+
+A consumer with nothing to read waits on a one-shot wake-up that ``put`` sets: the
+cheapest one the running backend has (anyio's blocking ``receive`` adds a checkpoint,
+a task lookup and an ``Event`` per call; with thousands of streams that dominated
+delivery).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+import anyio
+import sniffio
+import trio
+import trio.lowlevel
+
+from triollm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from triollm.sampling_params import RequestOutputKind
+
+__all__ = ["RequestChannel", "Wakeup", "wakeup_factory"]
+
+
+class Wakeup(Protocol):
+    """A one-shot wake-up: one waiter, set at most once (a cancellation point to wait)."""
+
+    def set(self) -> None: ...
+
+    async def wait(self) -> None: ...
+
+
+class _FutureWakeup:
+    """asyncio's cheapest wake-up: a bare future (anyio cancels a task by cancelling the
+    future it awaits, exactly as with ``asyncio.Event``)."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def set(self) -> None:
+        if not self._future.done():
+            self._future.set_result(None)
+
+    async def wait(self) -> None:
+        await self._future
+
+
+class _TrioWakeup:
+    """trio's cheapest wake-up: park the task with ``wait_task_rescheduled`` (how trio's
+    own primitives are built), without an ``Event`` and its parking lot."""
+
+    __slots__ = ("_is_set", "_task")
+
+    def __init__(self) -> None:
+        self._task: trio.lowlevel.Task | None = None
+        self._is_set = False
+
+    def set(self) -> None:
+        self._is_set = True
+        task, self._task = self._task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    async def wait(self) -> None:
+        if self._is_set:
+            await trio.lowlevel.checkpoint()
+            return
+        self._task = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort)
+
+    def _abort(self, raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+        self._task = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+
+def wakeup_factory() -> Callable[[], Wakeup]:
+    """The cheapest wake-up for the running backend; ``anyio.Event`` on any other.
+
+    One is made per wait, so for thousands of streams the wrapper layers matter."""
+    library = sniffio.current_async_library()
+    if library == "asyncio":
+        return _FutureWakeup
+    if library == "trio":
+        return _TrioWakeup
+    return anyio.Event
+
+
+class _CompletionBacklog:
+    """One completion's unread DELTA outputs, folded."""
+
+    __slots__ = ("cumulative_logprob", "finish_reason", "index", "logprobs", "stop_reason",
+                 "text_parts", "token_ids")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: SampleLogprobs | None = None
+        self.cumulative_logprob: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.text_parts.append(completion.text)
+        self.token_ids.extend(completion.token_ids)
+        if completion.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(completion.logprobs)
+        self.cumulative_logprob = completion.cumulative_logprob
+        self.finish_reason = completion.finish_reason
+        self.stop_reason = completion.stop_reason
+
+    def build(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text="".join(self.text_parts), token_ids=self.token_ids,
+            cumulative_logprob=self.cumulative_logprob, logprobs=self.logprobs,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
+
+class _DeltaBacklog:
+    """A request's unread DELTA outputs, folded into one as they arrive: completions
+    matched by index, the newest output's request fields, the first prompt logprobs."""
+
+    __slots__ = ("_completions", "_latest", "_prompt_logprobs")
+
+    def __init__(self, output: RequestOutput) -> None:
+        self._completions: dict[int, _CompletionBacklog] = {}
+        self._latest = output
+        self._prompt_logprobs = output.prompt_logprobs
+        self.add(output)
+
+    def add(self, output: RequestOutput) -> None:
+        self._latest = output
+        if not self._prompt_logprobs:
+            self._prompt_logprobs = output.prompt_logprobs
+        for completion in output.outputs:
+            backlog = self._completions.get(completion.index)
+            if backlog is None:
+                backlog = self._completions[completion.index] = _CompletionBacklog(
+                    completion.index)
+            backlog.add(completion)
+
+    def build(self) -> RequestOutput:
+        latest = self._latest
+        return RequestOutput(
+            request_id=latest.request_id,
+            prompt=latest.prompt,
+            prompt_token_ids=latest.prompt_token_ids,
+            prompt_logprobs=self._prompt_logprobs,
+            outputs=[self._completions[i].build() for i in sorted(self._completions)],
+            finished=latest.finished,
+            metrics=latest.metrics,
+        )
+
+
+class RequestChannel:
+    """The outputs of one request, from the step loop (``put``, ``fail``, ``close``,
+    never blocking) to its one consumer (``get``)."""
+
+    __slots__ = (
+        "_buffered",
+        "_make_wakeup",
+        "_pending",
+        "_wakeup",
+        "closed",
+        "error",
+        "output_kind",
+        "receive",
+        "request_id",
+        "send",
+    )
+
+    def __init__(self, request_id: str, output_kind: RequestOutputKind, buffer_size: int,
+                 make_wakeup: Callable[[], Wakeup]) -> None:
+        self.request_id = request_id
+        self.output_kind = output_kind
+        self.send, self.receive = anyio.create_memory_object_stream[RequestOutput](buffer_size)
+        self._pending: RequestOutput | _DeltaBacklog | None = None
+        self.error: BaseException | None = None
+        self.closed = False
+        self._buffered = 0
+        self._wakeup: Wakeup | None = None
+        self._make_wakeup = make_wakeup
+
+    def put(self, output: RequestOutput) -> None:
+        """Deliver without blocking: behind a full buffer, fold into the pending output."""
+        if self.closed:
+            return
+        pending = self._pending
+        if pending is None:
+            try:
+                self.send.send_nowait(output)
+                self._buffered += 1
+            except anyio.WouldBlock:
+                self._pending = output
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the consumer has gone; its request is aborted by generate()
+        elif self.output_kind is not RequestOutputKind.DELTA:
+            self._pending = output
+        else:
+            if not isinstance(pending, _DeltaBacklog):
+                pending = self._pending = _DeltaBacklog(pending)
+            pending.add(output)
+        if output.finished:
+            self.close()
+        else:
+            self._wake_consumer()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` (raised to the consumer after what it has not
+        read yet)."""
+        if not self.closed:
+            self.error = error
+            self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.send.close()
+        self._wake_consumer()
+
+    def _wake_consumer(self) -> None:
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None:
+            wakeup.set()
+
+    async def get(self) -> RequestOutput:
+        """The next output; ``StopAsyncIteration`` at the end, or the stream's error.
+
+        Returns at once when an output is ready; otherwise waits (a cancellation point).
+        """
+        while not (self._buffered or self._pending is not None or self.closed):
+            wakeup = self._wakeup = self._make_wakeup()
+            await wakeup.wait()
+        if self._buffered:
+            self._buffered -= 1
+            return self.receive.receive_nowait()
+        pending, self._pending = self._pending, None
+        if isinstance(pending, _DeltaBacklog):
+            return pending.build()
+        if pending is not None:
+            return pending
+        if self.error is not None:
+            raise self.error
+        raise StopAsyncIteration

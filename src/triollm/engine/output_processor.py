@@ -1,0 +1,160 @@
+"""From sampled tokens to what the caller sees: text, stops, logprobs, ``RequestOutput``.
+
+The engine core does the bookkeeping of a step (computed tokens, finished requests,
+timings); for every sampled token it asks the ``OutputProcessor`` whether the token
+stops its sequence (stop strings through the incremental detokenizer, eos, stop token
+ids, ``max_tokens``, the context length), and for every request touched by the step it
+asks for the output to deliver. No torch, no event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from triollm.engine.detokenizer import IncrementalDetokenizer, Tokenizer, decode_text
+from triollm.engine.request import Request, RequestStatus
+from triollm.outputs import CompletionOutput, Logprob, RequestOutput
+from triollm.sampling_params import RequestOutputKind, SamplingParams
+from triollm.step import TokenLogprobs
+
+__all__ = ["OutputProcessor", "ParentRequest"]
+
+
+@dataclass
+class ParentRequest:
+    """A user request: ``n`` sampled sequences that share one prompt and one output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    children: list[Request]
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        children = self.children
+        if len(children) == 1:
+            return children[0].is_finished
+        return all(child.is_finished for child in children)
+
+
+class OutputProcessor:
+    """Detokenizes, checks stops, and builds each request's ``RequestOutput``."""
+
+    def __init__(self, tokenizer: Tokenizer | None, *, eos_token_ids: set[int],
+                 max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def make_detokenizer(self, params: SamplingParams, prompt_token_ids: list[int]
+                         ) -> IncrementalDetokenizer | None:
+        """The incremental detokenizer of one sequence (None if it wants no text)."""
+        if not params.detokenize:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("detokenize: this engine has no tokenizer; pass "
+                             "detokenize=False")
+        return IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens, stop=list(params.stop or []),
+            include_stop_str_in_output=params.include_stop_str_in_output)
+
+    # -- one sampled token -----------------------------------------------------------
+
+    def check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        """Detokenize ``token`` (already appended) and say whether it ends the sequence;
+        a stop string or stop token id is recorded as the request's ``stop_reason``."""
+        params = request.sampling_params
+        if request.detokenizer is not None:
+            stop = request.detokenizer.append_token(
+                token, check_stop=request.num_output_tokens >= params.min_tokens)
+            if stop is not None:
+                request.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in (params.stop_token_ids or ()):
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def append_logprobs(self, request: Request, token_lp: TokenLogprobs) -> None:
+        if request.logprobs is None:
+            return
+        request.logprobs.append(self.logprob_dict(token_lp))
+        previous = request.cumulative_logprob or 0.0
+        request.cumulative_logprob = previous + token_lp.logprobs[0]
+
+    def append_prompt_logprobs(self, request: Request, prompt_lps: list[TokenLogprobs]
+                               ) -> None:
+        if request.prompt_logprobs is not None:
+            request.prompt_logprobs.extend(self.logprob_dict(lp) for lp in prompt_lps)
+
+    def logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """One position's logprobs as vLLM shows them: token id -> ``Logprob``."""
+        result: dict[int, Logprob] = {}
+        for token_id, value, rank in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True):
+            if token_id not in result:
+                text = (decode_text(self.tokenizer, [token_id]) if self.tokenizer is not None
+                        else None)
+                result[token_id] = Logprob(logprob=value, rank=rank, decoded_token=text)
+        return result
+
+    # -- outputs ---------------------------------------------------------------------
+
+    def make_output(self, parent: ParentRequest, finished: bool) -> RequestOutput | None:
+        """The output to deliver now (None for a FINAL_ONLY request still running)."""
+        kind = parent.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        completions = [_completion(child, delta) for child in parent.children]
+        if delta:
+            completions = [c for c, child in zip(completions, parent.children, strict=True)
+                           if c.token_ids or c.text or child.is_finished]
+        first = parent.children[0]
+        prompt_logprobs = first.prompt_logprobs
+        if delta and parent.prompt_logprobs_sent:
+            prompt_logprobs = None
+        parent.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            metrics=first.metrics,
+        )
+
+
+def _completion(request: Request, delta: bool) -> CompletionOutput:
+    finished = request.is_finished
+    text = request.detokenizer.text_to_deliver(finished) if request.detokenizer else ""
+    logprobs = request.logprobs
+    if delta:
+        text_start, token_start = request.num_delivered_chars, request.num_delivered_tokens
+        request.num_delivered_chars = len(text)
+        request.num_delivered_tokens = request.num_output_tokens
+        text = text[text_start:]
+        tokens = request.all_token_ids[request.num_prompt_tokens + token_start:]
+        logprobs = logprobs[token_start:] if logprobs is not None else None
+    else:
+        tokens = request.output_token_ids
+        logprobs = list(logprobs) if logprobs is not None else None
+    return CompletionOutput(
+        index=request.index,
+        text=text,
+        token_ids=tokens,
+        cumulative_logprob=request.cumulative_logprob,
+        logprobs=logprobs,
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+    )

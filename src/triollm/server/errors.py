@@ -1,0 +1,91 @@
+"""Every error a client sees, in OpenAI's shape.
+
+``{"error": {"message", "type", "param", "code"}}`` with the HTTP status as ``code``:
+raised as ``OpenAIError`` by the routes, written directly by the ASGI layer for 401 and
+413, and sent as a final SSE event when a stream's engine dies or shuts down.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from triollm.errors import EngineDeadError
+
+__all__ = ["OpenAIError", "add_error_handlers", "bad_request", "engine_unavailable",
+           "error_json", "stream_error_event"]
+
+
+class OpenAIError(Exception):
+    """An error the client sees as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "BadRequestError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(error: ValueError) -> OpenAIError:
+    """A 400 naming the field when the message starts with ``field: ...``."""
+    message = str(error)
+    head, sep, _ = message.partition(":")
+    param = head if sep and head.replace("_", "").isalnum() else None
+    return OpenAIError(400, message, param=param)
+
+
+def engine_unavailable(error: BaseException) -> OpenAIError:
+    if isinstance(error, EngineDeadError):
+        return OpenAIError(503, f"The engine is dead: {error}", type="EngineDeadError")
+    return OpenAIError(503, "The server is shutting down.", type="ServiceUnavailableError")
+
+
+def error_json(status: int, message: str, type: str) -> bytes:
+    return json.dumps(OpenAIError(status, message, type=type).body()).encode()
+
+
+def stream_error_event(error: BaseException) -> dict[str, Any]:
+    """The last event of a stream whose engine died or shut down."""
+    if isinstance(error, EngineDeadError):
+        return OpenAIError(500, f"The engine died while generating: {error}",
+                           type="EngineDeadError").body()
+    return OpenAIError(503, "The server shut down while generating.",
+                       type="ServiceUnavailableError").body()
+
+
+async def _openai_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, OpenAIError)
+    return error.response()
+
+
+async def _validation_error(request: Request, error: Exception) -> JSONResponse:
+    """pydantic's validation errors as a 400 naming the first bad field."""
+    assert isinstance(error, RequestValidationError)
+    problems = error.errors()
+    first = problems[0] if problems else {}
+    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(location) or None
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
+        f"{e.get('msg', 'invalid')}" for e in problems)
+    if first.get("type") == "json_invalid":
+        message, param = f"Invalid JSON body: {first.get('msg', '')}", None
+    return OpenAIError(400, message, param=param).response()
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)

@@ -1,0 +1,104 @@
+"""Engine outputs as OpenAI fields: usage, completion and chat logprobs, vLLM's
+``prompt_logprobs``. Pure functions of the outputs; no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from triollm.engine.detokenizer import Tokenizer, decode_text
+from triollm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from triollm.server.protocol import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    PromptTokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from triollm.server.protocol import (
+    PromptLogprobs as PromptLogprobsField,
+)
+
+__all__ = ["chat_logprobs", "completion_logprobs", "json_logprob", "prompt_logprobs",
+           "usage", "usage_info", "usage_options"]
+
+
+def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return usage_info(prompt, completion)
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def usage_options(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """``(include_usage, continuous_usage)``: as in vLLM, per-chunk usage
+    (``continuous_usage_stats``) counts only together with ``include_usage``."""
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
+
+
+def json_logprob(logprob: float) -> float:
+    """JSON has no -inf: an impossible token is reported as -9999.0."""
+    return max(logprob, -9999.0)
+
+
+def completion_logprobs(completion: CompletionOutput, start_offset: int,
+                        prompt: tuple[list[int], PromptLogprobs] | None = None,
+                        tokenizer: Tokenizer | None = None) -> CompletionLogprobs:
+    """The completions API's logprobs: the echoed prompt's positions (``prompt``: its
+    token ids and logprobs) first, then the completion's, with text offsets from
+    ``start_offset``."""
+    result = CompletionLogprobs()
+    offset = start_offset
+    pairs: list[tuple[int, dict[int, Logprob] | None]] = []
+    if prompt is not None:
+        pairs.extend(zip(*prompt, strict=True))
+    pairs.extend(zip(completion.token_ids, completion.logprobs or [], strict=False))
+    for token_id, position in pairs:
+        chosen = position.get(token_id) if position else None
+        text = (chosen.decoded_token if chosen and chosen.decoded_token is not None
+                else decode_text(tokenizer, [token_id]) if tokenizer is not None else "")
+        result.tokens.append(text)
+        result.token_logprobs.append(json_logprob(chosen.logprob) if chosen else None)
+        result.top_logprobs.append(
+            {(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in position.values()}
+            if position else None)
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+def prompt_logprobs(body: CompletionRequest | ChatCompletionRequest,
+                    output: RequestOutput) -> PromptLogprobsField | None:
+    """vLLM's ``prompt_logprobs`` field, when the request asked for it."""
+    if body.prompt_logprobs is None:
+        return None
+    return [None if position is None else {
+        token: PromptTokenLogprob(logprob=json_logprob(lp.logprob), rank=lp.rank,
+                                  decoded_token=lp.decoded_token)
+        for token, lp in position.items()} for position in output.prompt_logprobs or []]
+
+
+def chat_logprobs(completion: CompletionOutput, top: int) -> ChatLogprobs:
+    content = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs or [],
+                                  strict=False):
+        chosen = position.get(token_id)
+        if chosen is None:
+            continue
+        text = chosen.decoded_token or ""
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[:top]
+        content.append(ChatTokenLogprob(
+            token=text, logprob=json_logprob(chosen.logprob), bytes=list(text.encode()),
+            top_logprobs=[TopLogprob(token=lp.decoded_token or "",
+                                     logprob=json_logprob(lp.logprob),
+                                     bytes=list((lp.decoded_token or "").encode()))
+                          for _, lp in ranked]))
+    return ChatLogprobs(content=content)

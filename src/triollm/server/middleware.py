@@ -1,0 +1,117 @@
+"""The ASGI layer outside FastAPI: ``RequestLifetime`` owns each HTTP request's lifetime.
+
+It checks the API key (401), reads the whole body (413 over the limit), hands it to the
+app, and meanwhile watches for ``http.disconnect``: a client that goes away cancels
+the request's scope, so ``engine.generate`` aborts the request within one engine step,
+streaming or not. (Hypercorn drops sends after a close silently and does not cancel
+handlers, so nothing else would notice.) It also counts open requests for a graceful
+shutdown.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import anyio
+
+from triollm.server.errors import error_json
+from triollm.server.state import ServerState
+
+__all__ = ["ASGIApp", "Message", "Receive", "RequestLifetime", "Scope", "Send", "send_json"]
+
+# ASGI's own types: its messages are plain dicts of any values.
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class RequestLifetime:
+    """Owns each HTTP request's lifetime: its body, its scope, its client's presence."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if not self._authorized(scope):
+            await send_json(send, 401, error_json(401, "Unauthorized: a valid API key is "
+                                                  "required", "AuthenticationError"))
+            return
+        body = await self._read_body(scope, receive)
+        if body is None:
+            await send_json(send, 413, error_json(
+                413, f"Request body larger than {self.state.settings.max_request_body_bytes}"
+                " bytes", "RequestTooLargeError"))
+            return
+        self.state.request_started()
+        try:
+            await self._serve(scope, receive, send, body)
+        finally:
+            self.state.request_ended()
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        disconnected = anyio.Event()
+        body_sent = False
+
+        async def replay() -> Message:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await disconnected.wait()
+            return {"type": "http.disconnect"}
+
+        async with anyio.create_task_group() as request_scope:
+            async def watch_for_disconnect() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        disconnected.set()
+                        request_scope.cancel_scope.cancel()
+                        return
+
+            request_scope.start_soon(watch_for_disconnect)
+            await self.app(scope, replay, send)
+            request_scope.cancel_scope.cancel()
+
+    def _authorized(self, scope: Scope) -> bool:
+        key = self.state.settings.api_key
+        if key is None or not str(scope.get("path", "")).startswith("/v1"):
+            return True  # as vLLM: /health, /metrics and the rest stay open
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"")
+        return hmac.compare_digest(given, f"Bearer {key}".encode())
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        limit = self.state.settings.max_request_body_bytes
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise anyio.get_cancelled_exc_class()()  # nobody left to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+async def send_json(send: Send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,1 @@
+"""The app's routes, one ``APIRouter`` per family (``build_app`` includes them all)."""

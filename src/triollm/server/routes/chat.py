@@ -1,0 +1,119 @@
+"""``/v1/chat/completions``: messages through the chat template, ``n`` samples,
+streamed or not."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from triollm.server.errors import OpenAIError, bad_request
+from triollm.server.formatting import (
+    chat_logprobs,
+    prompt_logprobs,
+    usage,
+    usage_info,
+    usage_options,
+)
+from triollm.server.generation import (
+    EngineStream,
+    Submitted,
+    close_all,
+    final_outputs,
+    outputs,
+    request_id_for,
+    submit,
+)
+from triollm.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+)
+from triollm.server.state import server_state
+from triollm.server.streaming import Emit, EventStream, StreamWriter, run_stream
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    model = state.check_request(body)
+    try:
+        token_ids = state.render_chat(body.messages, body.chat_template,
+                                      body.add_generation_prompt, body.tools)
+    except Exception as error:  # template errors are the request's fault
+        raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
+                          param="messages") from error
+    top = body.top_logprobs or 0
+    try:
+        params = body.sampling_params(
+            max_tokens=body.max_completion_tokens or body.max_tokens,
+            logprobs=top if body.logprobs else None)
+    except ValueError as error:
+        raise bad_request(error) from error
+    request_id = request_id_for(request, body, "chatcmpl")
+    created = int(time.time())
+    opened: list[EngineStream] = []
+    try:
+        submitted = await submit(state, [{"prompt_token_ids": token_ids}], params,
+                                 request_id, body, opened)
+        if body.stream:
+            return EventStream(_stream_writer(
+                body, submitted[0], opened, request_id, created, model, top))
+        [final] = await final_outputs(submitted)
+    except BaseException:
+        await close_all(opened)
+        raise
+    await close_all(opened)
+    choices = [ChatChoice(
+        index=c.index, message=ChatMessageOut(content=c.text),
+        logprobs=chat_logprobs(c, top) if body.logprobs else None,
+        finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+    return JSONResponse(ChatCompletionResponse(
+        id=request_id, created=created, model=model, choices=choices,
+        usage=usage([final]), prompt_logprobs=prompt_logprobs(body, final)).model_dump())
+
+
+def _stream_writer(body: ChatCompletionRequest, item: Submitted, opened: list[EngineStream],
+                   request_id: str, created: int, model: str, top: int) -> StreamWriter:
+    include_usage, continuous_usage = usage_options(body)
+    counts = {"prompt": len(item.first.prompt_token_ids), "completion": 0}
+
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None
+              ) -> dict[str, Any]:
+        if usage is None and continuous_usage:
+            usage = usage_info(counts["prompt"], counts["completion"])
+        return ChatCompletionChunk(id=request_id, created=created, model=model,
+                                   choices=choices, usage=usage).model_dump(exclude_none=True)
+
+    async def write(emit: Emit) -> None:
+
+        async def stream_choices() -> None:
+            await emit(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                            content=""))
+                              for i in range(body.n)]))
+            async for output in outputs(item):
+                for completion in output.outputs:
+                    counts["completion"] += len(completion.token_ids)
+                    await emit(chunk([ChatStreamChoice(
+                        index=completion.index, delta=DeltaMessage(content=completion.text),
+                        logprobs=chat_logprobs(completion, top) if body.logprobs else None,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason)]))
+
+        await run_stream(opened, emit, [stream_choices])
+        if include_usage:
+            await emit(chunk([], usage_info(counts["prompt"], counts["completion"])))
+        await emit("[DONE]")
+
+    return write

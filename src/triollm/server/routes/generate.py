@@ -1,0 +1,47 @@
+"""vLLM's minimal ``/generate`` (the seed's api_server): a prompt and sampling
+parameters in, the texts out, or a NUL-delimited stream of them."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from triollm.errors import EngineClosedError
+from triollm.sampling_params import SamplingParams
+from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
+from triollm.server.generation import close_all, first_output
+from triollm.server.protocol import GenerateRequest, random_id
+from triollm.server.state import server_state
+from triollm.server.streaming import NullDelimitedStream
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    state = server_state(request)
+    if state.shutting_down:
+        raise engine_unavailable(EngineClosedError("shutting down"))
+    extra = dict(body.model_extra or {})
+    try:
+        params = SamplingParams(**extra)
+    except TypeError as error:
+        raise OpenAIError(400, f"unknown sampling parameter: {error}") from error
+    except ValueError as error:
+        raise bad_request(error) from error
+    request_id = random_id("generate")
+    stream = state.engine.generate(body.prompt, params, request_id)
+    try:
+        first = await first_output(stream)
+        if body.stream:
+            return NullDelimitedStream(stream, first)
+        final = first
+        async for output in stream:
+            final = output
+    except BaseException:
+        await close_all([stream])
+        raise
+    await close_all([stream])
+    return JSONResponse({"text": [body.prompt + c.text for c in final.outputs]})

@@ -1,0 +1,33 @@
+"""Health, version and Prometheus metrics: what load balancers and scrapers read."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+import triollm
+from triollm.server.metrics import CONTENT_TYPE
+from triollm.server.state import server_state
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine runs; 503 once it is dead."""
+    engine = server_state(request).engine
+    if engine.errored or not engine.is_running:
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": triollm.__version__}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,48 @@
+"""vLLM's ``/tokenize`` (a prompt, or chat messages through the template) and
+``/detokenize``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from triollm.engine.detokenizer import decode_text
+from triollm.server.errors import OpenAIError
+from triollm.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from triollm.server.state import server_state
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state = server_state(request)
+    state.check_model(body.model)
+    tokenizer = state.engine.tokenizer
+    if body.messages is not None:
+        tokens = state.render_chat(body.messages, None, body.add_generation_prompt,
+                                   body.tools)
+    elif body.prompt is not None:
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        raise OpenAIError(400, "prompt: give a prompt or messages", param="prompt")
+    return TokenizeResponse(tokens=list(tokens), count=len(tokens),
+                            max_model_len=state.engine.config.model.max_model_len)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state = server_state(request)
+    state.check_model(body.model)
+    tokenizer = state.engine.tokenizer
+    vocab = int(state.engine.config.model.hf_config.vocab_size)
+    if any(not 0 <= t < max(vocab, len(tokenizer)) for t in body.tokens):
+        raise OpenAIError(400, "tokens: contains ids outside the vocabulary",
+                          param="tokens")
+    return DetokenizeResponse(prompt=decode_text(tokenizer, body.tokens))

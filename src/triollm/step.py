@@ -1,0 +1,97 @@
+"""The plain types that cross the boundary between the engine and the model.
+
+One step is one round trip: the scheduler's ``SchedulerOutput`` goes to a
+``ModelRunner``, whose ``RunnerOutput`` comes back to the engine core. Both sides
+import this module and nothing of each other. ``TorchModelRunner``
+(``triollm.model.torch_runner``) runs a transformers model;
+``triollm.testing.FakeModelRunner`` is a deterministic stand-in for testing
+applications without a model. No torch, no event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from triollm.sampling_params import SamplingParams
+
+__all__ = ["ModelRunner", "RunnerOutput", "ScheduledRequest", "SchedulerOutput",
+           "TokenLogprobs"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute ``token_ids`` at positions
+    ``start_position ...``; if ``sample``, a token is sampled after the last of them."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return (self.sampling_params.prompt_logprobs is not None
+                and self.start_position < len(self.prompt_token_ids) - 1)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the model runner needs for one step."""
+
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    #: Requests that finished or were aborted since the previous step: the runner
+    #: drops whatever per-request state it keeps for them.
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced, keyed by request id."""
+
+    #: One token for every scheduled request whose ``sample`` flag was set.
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    #: For requests that asked for prompt logprobs: one entry per prompt position whose
+    #: next prompt token was scored in this step, in order (the chosen token is that
+    #: next prompt token).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """Computes one engine step. Called from a single thread, one step at a time."""
+
+    #: How many KV-cache blocks (of the engine's block size) the runner holds.
+    num_kv_blocks: int
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Compute the scheduled tokens and sample where asked."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the model and its cache. Called once, from the same thread."""
+        ...

@@ -1,0 +1,166 @@
+"""The package's layering, checked on the source: which module may import what.
+
+Imports are read with ``ast`` from every module under src/triollm, including imports
+inside functions (a lazy import is still an arrow), but not those under
+``if TYPE_CHECKING:``, which never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import triollm
+
+SRC = Path(triollm.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(SRC.rglob("*.py"))}
+
+
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """All nodes except those under ``if TYPE_CHECKING:``."""
+    nodes: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        nodes.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+@cache
+def direct_imports(module: str) -> frozenset[str]:
+    """What ``module`` imports: ``from a.b import c`` counts as ``a.b.c`` when that is
+    one of our modules, else as ``a.b``."""
+    found: set[str] = set()
+    for node in runtime_nodes(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{module}: relative import"
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in MODULES else node.module)
+    return frozenset(found)
+
+
+def imported_modules(module: str) -> set[str]:
+    """Everything ``module`` imports, following our own modules transitively."""
+    seen: set[str] = set()
+    found: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for imported in direct_imports(name):
+            found.add(imported)
+            if imported in MODULES:
+                todo.append(imported)
+    return found
+
+
+def forbidden(module: str, roots: tuple[str, ...]) -> list[str]:
+    """What ``module`` reaches, directly or not, that starts with one of ``roots``."""
+    return sorted(m for m in imported_modules(module)
+                  if any(m == root or m.startswith(root + ".") for root in roots))
+
+
+def modules_under(prefix: str) -> list[str]:
+    return [m for m in MODULES if m.startswith(prefix)]
+
+
+EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
+
+
+@pytest.mark.parametrize("module", [
+    "triollm.step", "triollm.config", "triollm.errors", "triollm.sampling_params",
+    "triollm.outputs", "triollm.engine.request", "triollm.engine.scheduler",
+    "triollm.engine.block_manager", "triollm.engine.step_time", "triollm.engine.detokenizer",
+    "triollm.engine.inputs", "triollm.engine.output_processor", "triollm.engine.stats",
+])
+def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
+    assert forbidden(module, ("torch", "transformers", *EVENT_LOOPS)) == []
+
+
+@pytest.mark.parametrize("module", [
+    *modules_under("triollm.model"), "triollm.engine.core", "triollm.engine.args",
+    "triollm.llm", "triollm.server.protocol",
+])
+def test_model_and_sync_engine_code_never_import_an_event_loop(module: str) -> None:
+    assert forbidden(module, EVENT_LOOPS) == []
+
+
+ASYNC_MODULES = {"triollm", "triollm.cli", "triollm.engine.async_engine",
+                 "triollm.engine.channel", "triollm.engine.worker",
+                 *modules_under("triollm.server")}
+
+
+@pytest.mark.parametrize("module", sorted(set(MODULES) - ASYNC_MODULES))
+def test_only_the_async_layer_and_the_server_touch_an_event_loop(module: str) -> None:
+    """Directly: the package root and the CLI reach the async engine, but use no loop."""
+    assert sorted(m for m in direct_imports(module) if m.split(".")[0] in EVENT_LOOPS) == []
+
+
+@pytest.mark.parametrize("module", modules_under("triollm.model"))
+def test_the_model_layer_knows_neither_the_engine_nor_the_server(module: str) -> None:
+    assert forbidden(module, ("triollm.engine", "triollm.server", "triollm.llm")) == []
+
+
+@pytest.mark.parametrize("module", modules_under("triollm.engine"))
+def test_the_engine_never_imports_the_server(module: str) -> None:
+    assert forbidden(module, ("triollm.server", "triollm.cli")) == []
+
+
+def test_errors_and_config_import_nothing_heavy() -> None:
+    assert forbidden("triollm.errors", ("torch", "transformers", "triollm")) == []
+    assert forbidden("triollm.config", ("transformers", "triollm.model")) == []
+    assert forbidden("triollm.step", ("triollm.engine", "triollm.model")) == []
+
+
+def test_there_is_no_import_cycle() -> None:
+    graph = {m: sorted(i for i in direct_imports(m) if i in MODULES) for m in MODULES}
+    path: list[str] = []
+    on_path: set[str] = set()
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        path.append(module)
+        on_path.add(module)
+        for imported in graph[module]:
+            if imported in on_path:
+                cycle = [*path[path.index(imported):], imported]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if imported not in done:
+                visit(imported)
+        on_path.discard(path.pop())
+        done.add(module)
+
+    for module in graph:
+        if module not in done:
+            visit(module)
+    assert len(done) == len(MODULES) > 40
+
+
+def test_the_checks_see_real_imports() -> None:
+    """The checks above would pass vacuously if the import reader found nothing."""
+    assert "torch" in forbidden("triollm.model.sampler", ("torch",))
+    assert "triollm.engine.core" in direct_imports("triollm.llm")
+    assert "triollm.server.routes.chat" in direct_imports("triollm.server.app")
+    assert "triollm.model.loader" in direct_imports("triollm.engine.args")  # a lazy import
+    assert "anyio" in direct_imports("triollm.engine.channel")
+    # A TYPE_CHECKING-only import is not an arrow.
+    assert "triollm.engine.async_engine" not in direct_imports("triollm.server.state")
