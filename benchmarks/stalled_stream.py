@@ -1,10 +1,12 @@
 """What a consumer that stops reading costs the engine's loop.
 
-One request generates ``--tokens`` tokens (DELTA outputs, one per step) over the
-zero-cost fake runner. Its consumer reads the first output, then stops reading until
-the request has finished; a second run reads every output as it comes. Behind a
-stalled consumer the engine folds each new output into the one it holds pending, so
-the difference between the two runs is what that folding costs the loop.
+First the fold alone: ``RequestChannel.put`` of 1,000 to ``--tokens`` one-token DELTA
+outputs behind a consumer that never reads (per-put cost should not grow with the
+backlog). Then end to end: one request generates ``--tokens`` tokens (DELTA outputs,
+one per step) over the zero-cost fake runner. Its consumer reads the first output, then
+stops reading until the request has finished; a second run reads every output as it
+comes. Behind a stalled consumer the engine folds each new output into the one it holds
+pending, so the difference between the two runs is what that folding costs the loop.
 
     python benchmarks/stalled_stream.py --tokens 16000 --repeats 5
 """
@@ -18,7 +20,15 @@ import time
 
 import anyio
 
-from triollm import AsyncEngineArgs, AsyncLLMEngine, RequestOutputKind, SamplingParams
+from triollm import (
+    AsyncEngineArgs,
+    AsyncLLMEngine,
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
+from triollm.engine.channel import RequestChannel
 from triollm.engine.stats import IterationStats
 from triollm.testing import FakeModelRunner
 
@@ -32,6 +42,22 @@ class FinishedEvent:
     def record(self, stats: IterationStats) -> None:
         if stats.finished:
             self.event.set()
+
+
+async def fold_only(num_outputs: int) -> float:
+    """Seconds to put ``num_outputs`` one-token DELTA outputs into a channel whose
+    consumer never reads."""
+    channel = RequestChannel("stalled", RequestOutputKind.DELTA, 1, anyio.Event)
+    outputs = [RequestOutput("stalled", None, [1, 2, 3], None, [CompletionOutput(
+        0, "x", [i % 900], None, None)], finished=False) for i in range(num_outputs)]
+    started = time.perf_counter()
+    for output in outputs:
+        channel.put(output)
+    elapsed = time.perf_counter() - started
+    merged = await channel.get()  # the first, buffered
+    merged = await channel.get()  # the rest, folded
+    assert len(merged.outputs[0].token_ids) == num_outputs - 1
+    return elapsed
 
 
 def save_long_context_config(directory: str, tokens: int) -> None:
@@ -76,6 +102,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backend", default="trio", choices=["trio", "asyncio"])
     options = parser.parse_args()
+    sizes = sorted({1000, options.tokens // 4, options.tokens})
+    for size in sizes:
+        fold = min(anyio.run(fold_only, size, backend=options.backend) for _ in range(3))
+        print(f"fold alone: {size} puts behind a stalled reader: {fold * 1000:.1f} ms "
+              f"({fold / size * 1e6:.2f} us per put, best of 3)")
     model = tempfile.mkdtemp(prefix="stalled-stream-")
     save_long_context_config(model, options.tokens)
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -46,6 +46,16 @@ def llama_path(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
 
 
+@pytest.fixture(scope="session")
+def llama_llm(llama_path: Path) -> Any:
+    """The tiny Llama in float32 behind one offline ``LLM``, shared by the tests that
+    need nothing else of it (between ``generate`` calls it holds no request)."""
+    from triollm import LLM
+
+    return LLM(str(llama_path), dtype="float32", max_model_len=256,
+               num_gpu_blocks_override=256)
+
+
 POISON = 77
 POISON_MODELING = f'''
 import time

@@ -190,17 +190,19 @@ async def test_async_with_surfaces_the_original_exception() -> None:
 async def test_shutdown_ends_open_streams_with_engine_closed_error() -> None:
     engine, runner = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.002))
     results: list[BaseException] = []
+    streaming = anyio.Event()
 
     async def consume() -> None:
         try:
-            await collect(engine, [2, 3], "s", params(10_000))
+            async for _ in engine.generate({"prompt_token_ids": [2, 3]}, params(100), "s"):
+                streaming.set()
         except EngineClosedError as error:
             results.append(error)
 
     async with anyio.create_task_group() as consumers:
         async with engine:
             consumers.start_soon(consume)
-            await anyio.sleep(0.02)
+            await streaming.wait()
     assert len(results) == 1
     assert runner.shut_down and not engine.is_running
     with pytest.raises(EngineClosedError):
@@ -233,7 +235,7 @@ async def test_a_slow_consumer_slows_nobody_and_its_deltas_are_merged() -> None:
 async def test_idle_engine_waits_without_stepping() -> None:
     engine, runner = make_engine()
     async with engine:
-        await anyio.sleep(0.05)
+        await anyio.wait_all_tasks_blocked()
         assert runner.num_steps == 0 and engine.statistics().num_steps == 0
         await collect(engine, [4], "wake", params(2))
         assert runner.num_steps >= 2
@@ -266,12 +268,20 @@ async def test_event_loop_stays_responsive_while_the_model_computes() -> None:
 
 
 async def test_statistics_report_running_waiting_and_blocks() -> None:
-    engine, _ = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.01),
+    engine, _ = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.001),
                             max_num_seqs=2)
+    first_output = anyio.Event()
+
+    async def consume(i: int) -> None:
+        async for _ in engine.generate({"prompt_token_ids": [i + 2] * 8}, params(20), str(i)):
+            first_output.set()
+
     async with engine, anyio.create_task_group() as tg:
         for i in range(4):
-            tg.start_soon(collect, engine, [i + 2] * 8, str(i), params(20))
-        await anyio.sleep(0.03)
+            tg.start_soon(consume, i)
+        # All four were added before the first step ended; two run (max_num_seqs=2) for
+        # 20 steps while the other two wait behind them.
+        await first_output.wait()
         stats = engine.statistics()
         assert stats.num_running == 2 and stats.num_waiting == 2
         assert stats.num_free_blocks < stats.num_total_blocks
@@ -279,7 +289,8 @@ async def test_statistics_report_running_waiting_and_blocks() -> None:
     assert_idle(engine)
 
 
-async def test_real_tiny_model_streams_through_the_async_engine(llama_path: Any) -> None:
+async def test_real_tiny_model_streams_through_the_async_engine(llama_path: Any,
+                                                                 llama_llm: Any) -> None:
     args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=128,
                            num_gpu_blocks_override=64, disable_log_requests=True)
     async with AsyncLLMEngine.from_engine_args(args) as engine:
@@ -297,10 +308,7 @@ async def test_real_tiny_model_streams_through_the_async_engine(llama_path: Any)
             for i in range(4):
                 tg.start_soon(run, i)
         assert_idle(engine)
-    from triollm import LLM
-
-    llm = LLM(str(llama_path), dtype="float32", max_model_len=128, num_gpu_blocks_override=64)
-    offline = llm.generate([f"Rain fell on day {i}" for i in range(4)],
+    offline = llama_llm.generate([f"Rain fell on day {i}" for i in range(4)],
                            SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert [texts[str(i)] for i in range(4)] == [o.outputs[0].text for o in offline]
 

@@ -182,14 +182,28 @@ async def run_scenarios(requests: list[Scenario], fail_at_step: int | None) -> N
     assert runner.shut_down
 
 
+def run_counting_examples(name: str, minimum: int, property_test: Callable[[], None]
+                          ) -> None:
+    """Run a hypothesis test (whose body counts itself in ``EXAMPLES[name]``) and check
+    that it really ran ``minimum`` generated examples: a strategy that filters out
+    everything, or settings that run none, would otherwise pass without testing."""
+    before = EXAMPLES[name]
+    property_test()
+    ran = EXAMPLES[name] - before
+    print(f"{name}: {ran} examples")
+    assert ran >= minimum, f"{name}: only {ran} of {minimum} examples ran"
+
+
 @pytest.mark.parametrize("backend", ["trio", "asyncio"])
-@settings(max_examples=150, deadline=None)
-@given(requests=st.lists(scenarios, min_size=1, max_size=8),
-       fail_at_step=st.one_of(st.none(), st.none(), st.integers(0, 25)))
-def test_every_stream_ends_exactly_one_way(backend: str, requests: list[Scenario],
-                                           fail_at_step: int | None) -> None:
-    EXAMPLES[f"checkpoints/{backend}"] += 1
-    anyio.run(run_scenarios, requests, fail_at_step, backend=backend)
+def test_every_stream_ends_exactly_one_way(backend: str) -> None:
+    @settings(max_examples=150, deadline=None)
+    @given(requests=st.lists(scenarios, min_size=1, max_size=8),
+           fail_at_step=st.one_of(st.none(), st.none(), st.integers(0, 25)))
+    def run(requests: list[Scenario], fail_at_step: int | None) -> None:
+        EXAMPLES[f"checkpoints/{backend}"] += 1
+        anyio.run(run_scenarios, requests, fail_at_step, backend=backend)
+
+    run_counting_examples(f"checkpoints/{backend}", 150, run)
 
 
 # -- timed scenarios -------------------------------------------------------------------
@@ -330,20 +344,17 @@ TIMED = {"requests": st.lists(timed_scenarios(FAKE_PROMPTS), min_size=1, max_siz
          "fail_at_step": st.one_of(st.none(), st.none(), st.integers(0, 12))}
 
 
-@settings(max_examples=300, deadline=None)
-@given(**TIMED)
-def test_timed_scenarios_on_trio_with_a_mock_clock(requests: list[TimedScenario],
-                                                   fail_at_step: int | None) -> None:
-    EXAMPLES["timed/trio+MockClock"] += 1
-    run_fake_timed("trio", requests, fail_at_step)
+@pytest.mark.parametrize(("backend", "examples"), [("trio", 300), ("asyncio", 40)])
+def test_timed_scenarios(backend: str, examples: int) -> None:
+    """On trio with ``MockClock(autojump_threshold=0)`` (virtual time, so hundreds of
+    examples take seconds); on asyncio in real time, fewer."""
+    @settings(max_examples=examples, deadline=None)
+    @given(**TIMED)
+    def run(requests: list[TimedScenario], fail_at_step: int | None) -> None:
+        EXAMPLES[f"timed/{backend}"] += 1
+        run_fake_timed(backend, requests, fail_at_step)
 
-
-@settings(max_examples=40, deadline=None)
-@given(**TIMED)
-def test_timed_scenarios_on_asyncio_in_real_time(requests: list[TimedScenario],
-                                                 fail_at_step: int | None) -> None:
-    EXAMPLES["timed/asyncio"] += 1
-    run_fake_timed("asyncio", requests, fail_at_step)
+    run_counting_examples(f"timed/{backend}", examples, run)
 
 
 # -- the same against a real tiny model ------------------------------------------------
@@ -354,18 +365,15 @@ REAL_MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def real_model(llama_path: Path) -> tuple[Path, dict[tuple[int, ...], list[int]]]:
+def real_model(llama_path: Path, llama_llm: Any
+               ) -> tuple[Path, dict[tuple[int, ...], list[int]]]:
     """The tiny Llama, and each prompt's greedy continuation computed alone."""
-    from triollm import LLM
-
-    llm = LLM(model=str(llama_path), dtype="float32", max_model_len=64,
-              num_gpu_blocks_override=64)
+    llm = llama_llm
     params = SamplingParams(temperature=0, max_tokens=REAL_MAX_TOKENS, ignore_eos=True)
     answers = {}
     for prompt in REAL_PROMPTS:
         [output] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         answers[tuple(prompt)] = list(output.outputs[0].token_ids)
-    llm.engine.shutdown()
     return llama_path, answers
 
 
@@ -394,8 +402,4 @@ def test_timed_scenarios_against_a_real_model(
                   lambda scenario: answers[tuple(scenario.prompt)][: scenario.max_tokens],
                   backend=backend, backend_options=options)
 
-    run()
-
-
-def test_report_example_counts() -> None:
-    print(f"async engine property examples run: {dict(EXAMPLES)}")
+    run_counting_examples(f"real-model/{backend}", 12, run)

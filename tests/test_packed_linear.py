@@ -85,8 +85,7 @@ def test_a_layer_that_fails_the_check_keeps_aten(
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-def test_the_cpu_runner_packs_its_model(llama_path: Path) -> None:
-    llm = LLM(str(llama_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=16)
-    model = llm.engine.runner.model
+def test_the_cpu_runner_packs_its_model(llama_path: Path, llama_llm: LLM) -> None:
+    model = llama_llm.engine.runner.model
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == len(_packable(
         _load(llama_path, torch.float32)))

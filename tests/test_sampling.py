@@ -18,9 +18,8 @@ PROMPT = "The gardener planted beans along the fence"
 
 
 @pytest.fixture(scope="module")
-def llm(llama_path: Path) -> LLM:
-    return LLM(str(llama_path), dtype="float32", max_model_len=256,
-               num_gpu_blocks_override=256)
+def llm(llama_llm: LLM) -> LLM:
+    return llama_llm
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +102,10 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def eos_model(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, list[int]]:
+def eos_model(llama_path: Path, llama_llm: LLM, tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[LLM, list[int]]:
     """The same weights, with the eos id set to the 4th token greedy decoding writes."""
-    plain = LLM(str(llama_path), dtype="float32", max_model_len=256,
-                num_gpu_blocks_override=64)
-    tokens = greedy(plain)
+    tokens = greedy(llama_llm)
     path = tmp_path_factory.mktemp("eos") / "model"
     shutil.copytree(llama_path, path)
     config = json.loads((path / "config.json").read_text())
@@ -172,8 +170,8 @@ def test_logprobs_match_the_models_logits(llm: LLM, tokenizer: object,
         assert len(set(entry) - {token}) <= 2
 
 
-def test_prompt_logprobs_survive_chunked_prefill(llama_path: Path) -> None:
-    whole = LLM(str(llama_path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+def test_prompt_logprobs_survive_chunked_prefill(llama_path: Path, llama_llm: LLM) -> None:
+    whole = llama_llm
     chunked = LLM(str(llama_path), dtype="float32", max_model_len=256,
                   num_gpu_blocks_override=64, max_num_batched_tokens=3)
     params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)

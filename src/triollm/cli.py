@@ -9,8 +9,8 @@ import json
 import sys
 import types
 import typing
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from triollm.engine.args import AsyncEngineArgs, EngineArgs
 
@@ -103,7 +103,8 @@ def _serve(namespace: argparse.Namespace) -> int:
     logging.basicConfig(level=options.log_level.upper(),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     args = engine_args_from_namespace(namespace, AsyncEngineArgs)
-    engine = AsyncLLMEngine.from_engine_args(args)  # type: ignore[arg-type]  # validates first
+    assert isinstance(args, AsyncEngineArgs)
+    engine = AsyncLLMEngine.from_engine_args(args)  # validates the arguments first
     return serve_blocking(engine, options)
 
 
@@ -144,7 +145,7 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
-def _add_serve_parser(commands: Any) -> None:
+def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = commands.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (as `vllm serve`). "
@@ -202,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     namespace = build_parser().parse_args(argv)
     try:
-        handler: Any = {"generate": _generate, "serve": _serve}[namespace.command]
-        return int(handler(namespace))
+        handlers: dict[str, Callable[[argparse.Namespace], int]] = {
+            "generate": _generate, "serve": _serve}
+        return handlers[namespace.command](namespace)
     except ValueError as error:
         print(f"triollm: error: {error}", file=sys.stderr)
         return 2

@@ -5,30 +5,21 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm.auto import tqdm
 
 from triollm.config import DEMO_MODEL_NAME
 from triollm.engine.args import EngineArgs
 from triollm.engine.core import EngineCore
-from triollm.engine.inputs import PromptType
+from triollm.engine.inputs import PromptType, TokensPrompt, render_chat
 from triollm.outputs import RequestOutput
 from triollm.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "build_engine_core"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-
-def build_engine_core(args: EngineArgs) -> EngineCore:
-    """Resolve the arguments, load the model and tokenizer, size the KV cache."""
-    from triollm.model.loader import load_tokenizer
-    from triollm.model.torch_runner import TorchModelRunner
-
-    config = args.create_engine_config()
-    tokenizer = load_tokenizer(config.model.tokenizer,
-                               trust_remote_code=config.model.trust_remote_code)
-    runner = TorchModelRunner(config)
-    return EngineCore(config, runner, tokenizer)
+__all__ = ["LLM"]
 
 
 class LLM:
@@ -41,11 +32,19 @@ class LLM:
     """
 
     def __init__(self, model: str = DEMO_MODEL_NAME, **engine_args: Any) -> None:
-        self.engine = build_engine_core(EngineArgs(model=model, **engine_args))
+        """Resolve the arguments (vLLM's ``EngineArgs`` names), load the tokenizer and
+        the model, and size the KV cache."""
+        from triollm.model.loader import load_tokenizer
+        from triollm.model.torch_runner import TorchModelRunner
+
+        config = EngineArgs(model=model, **engine_args).create_engine_config()
+        self.tokenizer = load_tokenizer(config.model.tokenizer,
+                                        trust_remote_code=config.model.trust_remote_code)
+        self.engine = EngineCore(config, TorchModelRunner(config), self.tokenizer)
         self._ids = itertools.count()
 
-    def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
 
     def generate(
         self,
@@ -87,14 +86,14 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        tokenizer = self.get_tokenizer()
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            token_ids = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
-            prompts.append({"prompt_token_ids": list(token_ids)})
+        conversations: list[list[dict[str, str]]]
+        if messages and isinstance(messages[0], list):
+            conversations = cast(list[list[dict[str, str]]], messages)
+        else:
+            conversations = [cast(list[dict[str, str]], messages)]
+        prompts: list[PromptType] = [TokensPrompt(prompt_token_ids=render_chat(
+            self.tokenizer, list(conversation), chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt)) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
@@ -134,9 +133,11 @@ class LLM:
         return [results[request_id] for request_id in ids]
 
 
-def _as_prompt_list(prompts: Any) -> list[PromptType]:
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str | dict):
-        return [prompts]  # type: ignore[list-item]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
-    return list(prompts)
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [cast(list[int], items)]  # one prompt given as token ids
+    # Each item is validated as a prompt when it is added to the engine.
+    return cast(list[PromptType], items)

@@ -95,7 +95,7 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
-        def is_int(value: Any) -> bool:
+        def is_int(value: object) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
         if not is_int(self.n) or self.n < 1:

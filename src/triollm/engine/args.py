@@ -8,7 +8,7 @@ it lives here rather than in ``triollm.config``, which stays free of transformer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from triollm.config import (
     DEMO_MODEL_NAME,
@@ -61,7 +61,7 @@ def cpu_supports_bf16() -> bool:
     return capability in ("AVX512", "AVX512_BF16", "AMX") or capability.startswith("AVX512")
 
 
-def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     import torch
 
     if isinstance(dtype, torch.dtype):

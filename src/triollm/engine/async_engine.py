@@ -1,19 +1,12 @@
 """The async engine: structured concurrency around the synchronous ``EngineCore``.
 
-* Lifetime: ``async with AsyncLLMEngine.from_engine_args(args) as engine:`` or, in a
-  task group you own, ``await task_group.start(engine.run)``. ``run`` owns the model
-  thread and the step loop; nothing starts implicitly and nothing outlives it.
-* The step loop sleeps on an event while there is no work. Scheduling and output
-  processing run on the event loop; the model step runs in the model thread.
-* Each request has its own bounded memory object stream. When its consumer lags, the
-  newest outputs are merged into one pending output behind the stream (DELTA outputs
-  concatenate; CUMULATIVE and FINAL_ONLY outputs supersede), so the loop never blocks
-  on a consumer and memory per request stays bounded.
-* Aborts (``abort()``, a consumer that leaves) take effect in the core at once: the
-  request is never scheduled again and its blocks are free before the next step.
-* If a step raises, every stream gets ``EngineDeadError`` (cause attached) before
-  ``run`` re-raises the original exception. On shutdown, open streams get
-  ``EngineClosedError``. See docs/concurrency.md for the full contract.
+``run`` owns the model thread (engine/worker.py) and the step loop; nothing starts
+implicitly and nothing outlives it. The loop sleeps on an event while there is no
+work, schedules and processes on the event loop, and runs the model step in the
+model thread. Outputs go to one ``RequestChannel`` per request (engine/channel.py),
+which never blocks the loop. Aborts take effect in the core at once; a failed step
+fails every stream with ``EngineDeadError`` before ``run`` re-raises; on shutdown,
+open streams get ``EngineClosedError``. The full contract is in docs/concurrency.md.
 """
 
 from __future__ import annotations
@@ -23,12 +16,12 @@ import logging
 import sys
 from collections.abc import AsyncGenerator, Callable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import anyio
 import anyio.abc
 
-from triollm.engine.channel import RequestChannel, Wakeup, wakeup_factory
+from triollm.engine.channel import RequestChannel, RequestChannels, wakeup_factory
 from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType
 from triollm.engine.stats import EngineStatistics, StatLogger
@@ -52,11 +45,15 @@ RunnerFactory = Callable[[], "ModelRunner"]
 _DEFAULT_STREAM_BUFFER = 1
 
 
-def _sole_exception(error: BaseException) -> BaseException:
-    """The one exception inside nested single-exception groups (task groups wrap)."""
+def _raise_unwrapped(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """Re-raise the one exception inside nested single-exception groups (task groups
+    wrap), as itself; a group of several is raised as it is."""
+    error: BaseException = group
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
-    return error
+    if error is group:
+        raise group
+    raise error from error.__cause__
 
 
 class AsyncLLMEngine:
@@ -80,24 +77,20 @@ class AsyncLLMEngine:
         stream_buffer_size: int = _DEFAULT_STREAM_BUFFER,
         stat_loggers: list[StatLogger] | None = None,
     ) -> None:
-        if stream_buffer_size < 1:
-            raise ValueError("stream_buffer_size: must be >= 1")
         self.config = config
         self.tokenizer = tokenizer
         self.log_requests = log_requests
         self.max_log_len = max_log_len
         self._runner_factory = runner_factory
-        self._stream_buffer_size = stream_buffer_size
         self._core: EngineCore | None = None
         self._worker: ModelWorker | None = None
-        self._channels: dict[str, RequestChannel] = {}
+        self._channels = RequestChannels(stream_buffer_size)
         self._work_available: anyio.Event | None = None
         self._dead_error: EngineDeadError | None = None
         self._started = False
         self._running = False
         self._num_steps = 0
         self._task_group: anyio.abc.TaskGroup | None = None
-        self._make_wakeup: Callable[[], Wakeup] = anyio.Event
         self._stat_loggers: list[StatLogger] = list(stat_loggers or [])
 
     @classmethod
@@ -152,10 +145,7 @@ class AsyncLLMEngine:
             return await task_group.__aexit__(exc_type, exc, tb)
         except BaseExceptionGroup as group:
             # The engine's own failure is the one exception worth surfacing as itself.
-            sole = _sole_exception(group)
-            if sole is group:
-                raise
-            raise sole from sole.__cause__
+            _raise_unwrapped(group)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -164,14 +154,11 @@ class AsyncLLMEngine:
         if self._started:
             raise RuntimeError("this engine has already been started; make a new one")
         self._started = True
-        self._make_wakeup = wakeup_factory()
+        self._channels.make_wakeup = wakeup_factory()
         try:
             await self._run(task_status)
         except BaseExceptionGroup as group:
-            sole = _sole_exception(group)
-            if sole is group:
-                raise
-            raise sole from sole.__cause__
+            _raise_unwrapped(group)
 
     async def _run(self, task_status: anyio.abc.TaskStatus[None]) -> None:
         async with open_model_worker() as worker:
@@ -195,13 +182,13 @@ class AsyncLLMEngine:
                 await self._step_loop(self._core, runner, worker)
             except BaseException as error:
                 if isinstance(error, anyio.get_cancelled_exc_class()):
-                    self._fail_all(EngineClosedError("the engine shut down before this "
+                    self._channels.fail_all(EngineClosedError("the engine shut down before this "
                                                      "request finished"))
                 else:
                     dead = EngineDeadError(f"the engine's step failed: {error!r}")
                     dead.__cause__ = error
                     self._dead_error = dead
-                    self._fail_all(dead)
+                    self._channels.fail_all(dead)
                     logger.error("engine step failed; failing every request", exc_info=error)
                 raise
             finally:
@@ -247,20 +234,9 @@ class AsyncLLMEngine:
             self._work_available.set()
 
     def _deliver(self, output: RequestOutput) -> None:
-        channel = self._channels.get(output.request_id)
-        if channel is None:
-            return
-        channel.put(output)
-        if output.finished:
-            del self._channels[output.request_id]
-            if self.log_requests:
-                reasons = [c.finish_reason for c in output.outputs]
-                logger.info("Finished request %s (%s).", output.request_id, reasons)
-
-    def _fail_all(self, error: BaseException) -> None:
-        channels, self._channels = self._channels, {}
-        for channel in channels.values():
-            channel.fail(error)
+        if self._channels.deliver(output) and self.log_requests:
+            reasons = [c.finish_reason for c in output.outputs]
+            logger.info("Finished request %s (%s).", output.request_id, reasons)
 
     # -- requests ------------------------------------------------------------------
 
@@ -314,8 +290,7 @@ class AsyncLLMEngine:
                      priority: int, is_latency_sensitive: bool = False,
                      slo: float | None = None,
                      ttft_slo: float | None = None) -> RequestChannel:
-        if self._dead_error is not None:
-            raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
+        self._raise_if_dead()
         core = self._core
         if not self._running or core is None:
             raise EngineClosedError("the engine is not running: use `async with engine` or "
@@ -327,9 +302,7 @@ class AsyncLLMEngine:
         core.add_request(request_id, prompt, params, priority=priority,
                          is_latency_sensitive=is_latency_sensitive, slo=slo,
                          ttft_slo=ttft_slo)
-        channel = RequestChannel(request_id, params.output_kind, self._stream_buffer_size,
-                                  self._make_wakeup)
-        self._channels[request_id] = channel
+        channel = self._channels.open(request_id, params.output_kind)
         if self.log_requests:
             self._log_request(request_id, prompt, params)
         self._wake()
@@ -344,12 +317,9 @@ class AsyncLLMEngine:
     def _abort_now(self, request_id: str, channel: RequestChannel | None = None) -> None:
         core = self._core
         outputs = core.abort_requests([request_id]) if core is not None else []
-        current = self._channels.get(request_id)
-        if current is not None and (channel is None or current is channel):
-            del self._channels[request_id]
-            for output in outputs:
-                current.put(output)
-            current.close()
+        channel = channel or self._channels.get(request_id)
+        if channel is not None:
+            self._channels.close(channel, outputs)
         if outputs:
             self._record_stats()
             if self.log_requests:
@@ -358,8 +328,7 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with a final output whose finish_reason is
         ``"abort"``. A no-op for a finished or unknown id."""
-        if self._dead_error is not None:
-            raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
+        self._raise_if_dead()
         self._abort_now(request_id)
         await anyio.lowlevel.checkpoint()
 
@@ -383,11 +352,14 @@ class AsyncLLMEngine:
     def dead_error(self) -> BaseException | None:
         return self._dead_error
 
+    def _raise_if_dead(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
+
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` if a step failed, ``EngineClosedError`` if the
         engine is not running."""
-        if self._dead_error is not None:
-            raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
+        self._raise_if_dead()
         if not self._running:
             raise EngineClosedError("the engine is not running")
         await anyio.lowlevel.checkpoint()

@@ -28,7 +28,7 @@ import trio.lowlevel
 from triollm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from triollm.sampling_params import RequestOutputKind
 
-__all__ = ["RequestChannel", "Wakeup", "wakeup_factory"]
+__all__ = ["RequestChannel", "RequestChannels", "Wakeup", "wakeup_factory"]
 
 
 class Wakeup(Protocol):
@@ -235,12 +235,17 @@ class RequestChannel:
         if wakeup is not None:
             wakeup.set()
 
+    @property
+    def ready(self) -> bool:
+        """Whether ``get`` returns (or raises) without waiting."""
+        return bool(self._buffered or self._pending is not None or self.closed)
+
     async def get(self) -> RequestOutput:
         """The next output; ``StopAsyncIteration`` at the end, or the stream's error.
 
         Returns at once when an output is ready; otherwise waits (a cancellation point).
         """
-        while not (self._buffered or self._pending is not None or self.closed):
+        while not self.ready:
             wakeup = self._wakeup = self._make_wakeup()
             await wakeup.wait()
         if self._buffered:
@@ -254,3 +259,57 @@ class RequestChannel:
         if self.error is not None:
             raise self.error
         raise StopAsyncIteration
+
+
+class RequestChannels:
+    """The open channels by request id: where the step loop delivers outputs."""
+
+    def __init__(self, buffer_size: int) -> None:
+        if buffer_size < 1:
+            raise ValueError("stream_buffer_size: must be >= 1")
+        self.buffer_size = buffer_size
+        #: Set once the backend is known (the engine's ``run``).
+        self.make_wakeup: Callable[[], Wakeup] = anyio.Event
+        self._channels: dict[str, RequestChannel] = {}
+
+    def __len__(self) -> int:
+        return len(self._channels)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._channels
+
+    def open(self, request_id: str, output_kind: RequestOutputKind) -> RequestChannel:
+        if request_id in self._channels:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        channel = RequestChannel(request_id, output_kind, self.buffer_size, self.make_wakeup)
+        self._channels[request_id] = channel
+        return channel
+
+    def deliver(self, output: RequestOutput) -> bool:
+        """Put ``output`` in its request's channel; True if it ended an open request
+        (whose channel is then closed and dropped)."""
+        channel = self._channels.get(output.request_id)
+        if channel is None:
+            return False
+        channel.put(output)
+        if output.finished:
+            del self._channels[output.request_id]
+        return output.finished
+
+    def close(self, channel: RequestChannel, final_outputs: list[RequestOutput]) -> None:
+        """Deliver ``final_outputs`` to ``channel`` and close it, if it is still the open
+        channel of its request id."""
+        if self._channels.get(channel.request_id) is channel:
+            del self._channels[channel.request_id]
+            for output in final_outputs:
+                channel.put(output)
+            channel.close()
+
+    def get(self, request_id: str) -> RequestChannel | None:
+        return self._channels.get(request_id)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every open stream with ``error``."""
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            channel.fail(error)

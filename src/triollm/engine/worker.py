@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TypeVar, TypeVarTuple
 
 import anyio
 import anyio.from_thread
@@ -27,7 +27,7 @@ import trio.lowlevel
 __all__ = ["ModelWorker", "open_model_worker"]
 
 T = TypeVar("T")
-_STOP = object()
+Ts = TypeVarTuple("Ts")
 
 
 class ModelWorker:
@@ -36,7 +36,8 @@ class ModelWorker:
     def __init__(self, name: str = "triollm-model") -> None:
         """Start the thread; call from the event loop that will wait on its jobs."""
         self._call_soon = _loop_call_soon()
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: Jobs for the thread; None tells it to stop.
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -44,38 +45,39 @@ class ModelWorker:
     def thread_id(self) -> int | None:
         return self._thread.ident
 
-    async def run_sync(self, function: Callable[..., T], *args: Any) -> T:
+    async def run_sync(self, function: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run ``function(*args)`` in the model thread and return its result (or raise
         its exception). Cancellation waits for the call to finish first."""
         done = anyio.Event()
-        outcome: dict[str, Any] = {}  # "value" or "error", written by the model thread
+        # Written by the model thread before it sets ``done``: one value or one error.
+        values: list[T] = []
+        errors: list[BaseException] = []
 
         def job() -> None:
             try:
-                outcome["value"] = function(*args)
+                values.append(function(*args))
             except BaseException as error:  # handed to the waiting task
-                outcome["error"] = error
+                errors.append(error)
             finally:
                 self._call_soon(done.set)
 
         self._jobs.put(job)
         with anyio.CancelScope(shield=True):
             await done.wait()
-        if "error" in outcome:
-            raise outcome["error"]
-        value: T = outcome["value"]
-        return value
+        if errors:
+            raise errors[0]
+        return values[0]
 
     def _main(self) -> None:
         while True:
             job = self._jobs.get()
-            if job is _STOP:
+            if job is None:
                 return
             job()
 
     async def aclose(self) -> None:
         """Stop the thread once the jobs already queued have run, and join it."""
-        self._jobs.put(_STOP)
+        self._jobs.put(None)
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._thread.join)
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio
 from fastapi import Request
 
+from triollm.engine.inputs import render_chat
 from triollm.server.errors import OpenAIError, bad_request
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -90,16 +91,12 @@ class ServerState:
     def render_chat(self, messages: list[ChatMessage], chat_template: str | None,
                     add_generation_prompt: bool, tools: list[dict[str, Any]] | None
                     ) -> list[int]:
-        """Chat messages through the chat template, as token ids."""
-        template_tools: list[Any] | None = list(tools) if tools is not None else None
-        token_ids = self.engine.tokenizer.apply_chat_template(
-            [m.model_dump(exclude_none=True) for m in messages],
-            chat_template=chat_template or self.settings.chat_template,
-            add_generation_prompt=add_generation_prompt, tools=template_tools, tokenize=True,
-            return_dict=False)
-        # transformers types the result for every combination of its flags; with
-        # tokenize=True and return_dict=False it is one list of token ids.
-        return list(cast(list[int], token_ids))
+        """Chat messages through the chat template (the request's, the server's or the
+        tokenizer's), as token ids."""
+        return render_chat(self.engine.tokenizer,
+                           [m.model_dump(exclude_none=True) for m in messages],
+                           chat_template=chat_template or self.settings.chat_template,
+                           add_generation_prompt=add_generation_prompt, tools=tools)
 
 
 def server_state(request: Request) -> ServerState:
