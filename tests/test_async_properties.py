@@ -155,7 +155,9 @@ def check_outcomes(requests: Sequence[Scenario | TimedScenario], outcomes: list[
         # Nothing computed for a request after the step in flight when it left.
         if outcome.left_at_step is not None:
             later = computed[outcome.left_at_step + 1:]
-            assert all(item.request_id != str(i) for out in later for item in out.scheduled)
+            # Engine ids are "<caller's id>-<n>".
+            assert all(item.request_id.rsplit("-", 1)[0] != str(i)
+                       for out in later for item in out.scheduled)
     if not died:
         stats = engine.statistics()
         assert (stats.num_running, stats.num_waiting, stats.num_open_streams) == (0, 0, 0)

@@ -160,3 +160,43 @@ def test_the_real_model_run_hit_the_cache(llms: dict[bool, LLM]) -> None:
         ).prefix_cache_hits == 0
     print(f"prefix cache: {stats.prefix_cache_hits} of {stats.prefix_cache_queries} "
           "prompt tokens found")
+
+
+# -- who may share a cached prefix -------------------------------------------------------
+
+@pytest.mark.parametrize(("first_salt", "second_salt", "shared"), [
+    (None, None, True), ("tenant-a", "tenant-a", True), ("tenant-a", "tenant-b", False),
+    ("tenant-a", None, False), (None, "tenant-a", False),
+])
+def test_only_requests_with_the_same_cache_salt_share_blocks(
+        first_salt: str | None, second_salt: str | None, shared: bool) -> None:
+    config = EngineArgs(max_model_len=MAX_MODEL_LEN, block_size=BLOCK,
+                        num_gpu_blocks_override=64).create_engine_config()
+    core = EngineCore(config, FakeModelRunner(num_kv_blocks=64, vocab_size=VOCAB), None)
+    prompt = list(range(10, 30))
+    for name, salt in (("first", first_salt), ("second", second_salt)):
+        request: dict[str, Any] = {"prompt_token_ids": prompt}
+        if salt is not None:
+            request["cache_salt"] = salt
+        before = core.statistics().prefix_cache_hits
+        core.add_request(name, request, SamplingParams(max_tokens=2, ignore_eos=True,
+                                                       detokenize=False))
+        outputs = []
+        while core.has_unfinished_requests():
+            outputs += core.step()
+        assert outputs[-1].outputs[0].token_ids == expected_tokens(prompt, 2)
+        hits = core.statistics().prefix_cache_hits - before
+    assert (hits > 0) == shared
+
+
+def test_block_hashes_are_sha256_chained_over_the_whole_prefix() -> None:
+    """Blocks are named by a collision-resistant hash of everything before them: the
+    same tokens after another prefix, or under another salt, are another block."""
+    from triollm.engine.block_manager import _chain_hash, _chain_root
+
+    first = _chain_hash(_chain_root(None), [1, 2, 3, 4])
+    assert len(first) == 32  # a SHA-256 digest, not Python's 64-bit hash()
+    assert _chain_hash(first, [5, 6, 7, 8]) != _chain_hash(_chain_root(None), [5, 6, 7, 8])
+    assert _chain_hash(_chain_root("s"), [1, 2, 3, 4]) != first
+    assert _chain_hash(_chain_root("s"), [1, 2, 3, 4]) == _chain_hash(_chain_root("s"),
+                                                                      [1, 2, 3, 4])

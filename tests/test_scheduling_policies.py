@@ -231,16 +231,20 @@ def test_waiting_high_priority_request_preempts_lower_priority_ones(short_of: st
     slots = 2 if short_of == "slots" else 8
     blocks = 4096 if short_of == "slots" else 10  # 16-token blocks: two requests' worth
     core, _clock = make_core("priority", max_num_seqs=slots, num_blocks=blocks)
+    engine_ids = {}  # the core keys requests by ids of its own
     for name, priority in (("low-a", 5), ("low-b", 3)):
-        core.add_request(name, {"prompt_token_ids": [10] * 60}, _params(20),
-                         priority=priority)
+        engine_ids[name] = core.add_request(name, {"prompt_token_ids": [10] * 60},
+                                            _params(20), priority=priority)
     core.step()
     core.step()
-    assert {r.request_id for r in core.scheduler.running} == {"low-a", "low-b"}
-    core.add_request("urgent", {"prompt_token_ids": [11] * 60}, _params(20), priority=0)
+    assert {r.request_id for r in core.scheduler.running} == {engine_ids["low-a"],
+                                                              engine_ids["low-b"]}
+    engine_ids["urgent"] = core.add_request("urgent", {"prompt_token_ids": [11] * 60},
+                                            _params(20), priority=0)
     output = core.schedule()
-    assert "urgent" in [item.request_id for item in output.scheduled]
-    assert output.preempted_request_ids == ["low-a"]  # the lowest priority goes first
+    assert engine_ids["urgent"] in [item.request_id for item in output.scheduled]
+    # The lowest priority goes first.
+    assert output.preempted_request_ids == [engine_ids["low-a"]]
     core.process(output, core.runner.execute_model(output))
     finals = {}
     while core.has_unfinished_requests():
@@ -256,11 +260,11 @@ def test_waiting_high_priority_request_preempts_lower_priority_ones(short_of: st
 
 def test_equal_priority_never_preempts_for_admission() -> None:
     core, _clock = make_core("priority", max_num_seqs=1)
-    core.add_request("first", {"prompt_token_ids": [10] * 20}, _params(5), priority=1)
+    first = core.add_request("first", {"prompt_token_ids": [10] * 20}, _params(5), priority=1)
     core.step()
     core.add_request("second", {"prompt_token_ids": [10] * 20}, _params(5), priority=1)
     output = core.schedule()
-    assert [item.request_id for item in output.scheduled] == ["first"]
+    assert [item.request_id for item in output.scheduled] == [first]
     assert output.preempted_request_ids == []
 
 

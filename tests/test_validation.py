@@ -20,6 +20,11 @@ from triollm.errors import UnsupportedModelError
     ("logit_bias", {"5": 1.0}), ("logit_bias", {5: float("nan")}), ("logit_bias", {-1: 1.0}),
     ("allowed_token_ids", []), ("allowed_token_ids", [-3]), ("truncate_prompt_tokens", 0),
     ("truncate_prompt_tokens", 2.5), ("bad_words", [""]), ("bad_words", "word"),
+    # A seed torch cannot take killed the engine's step (vLLM bounds it to int64).
+    ("seed", 2**63), ("seed", -(2**63) - 1), ("seed", 1180591620717411303424),
+    ("temperature", float("inf")), ("temperature", float("nan")), ("top_p", float("nan")),
+    ("repetition_penalty", float("inf")), ("min_p", float("nan")), ("temperature", "1"),
+    ("stop", ["a\ud800b"]), ("bad_words", ["\udfff"]),
 ])
 def test_sampling_params_name_the_bad_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):
@@ -32,7 +37,7 @@ def test_min_tokens_above_max_tokens_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("tensor_parallel_size", 2), ("block_size", 0), ("max_num_seqs", 0),
+    ("max_logprobs", -2), ("tensor_parallel_size", 2), ("block_size", 0), ("max_num_seqs", 0),
     ("gpu_memory_utilization", 1.5), ("kv_cache_space_gb", 0), ("scheduling_policy", "lifo"),
     ("dtype", "int8"), ("dtype", "float16"), ("device", "tpu"), ("max_model_len", 10**7),
 ])
@@ -71,6 +76,10 @@ def small_llm(llama_path: Path) -> LLM:
     ({"nothing": 1}, "prompt"),
     ("word " * 200, "max_model_len"),
     (3.5, "prompt"),
+    ("a\ud800b", "prompt"),  # a lone surrogate: JSON can carry it, no tokenizer can
+    ({"prompt_token_ids": 5}, "prompt_token_ids"),
+    ({"prompt_token_ids": [5], "prompt": 7}, "prompt"),
+    ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
 ])
 def test_bad_prompts_are_refused_and_the_engine_keeps_serving(
         small_llm: LLM, prompt: Any, field: str) -> None:
@@ -103,3 +112,43 @@ def test_architecture_without_attention_interface_is_refused(tmp_path: Path,
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="Llama, Qwen2, Qwen3, Mistral, OPT, GPT-2"):
         LLM(str(tmp_path), num_gpu_blocks_override=64)
+
+
+def test_extreme_seeds_with_several_samples_run(small_llm: LLM) -> None:
+    """The seeds of an n > 1 request's samples stay in range at the edges."""
+    for seed in (2**63 - 1, -(2**63)):
+        [output] = small_llm.generate("hi", SamplingParams(n=2, seed=seed, max_tokens=3),
+                                      use_tqdm=False)
+        assert [len(c.token_ids) for c in output.outputs] == [3, 3]
+    [again] = small_llm.generate("hi", SamplingParams(n=2, seed=2**63 - 1, max_tokens=3),
+                                 use_tqdm=False)
+    assert again.outputs[0].token_ids != [] and again.finished
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_beyond_max_logprobs_are_refused(small_llm: LLM, field: str) -> None:
+    """More than ``max_logprobs`` (20, vLLM's default; never more than the vocabulary)
+    is a ValueError, not a failed step."""
+    with pytest.raises(ValueError, match=f"{field}: 21 .*max_logprobs=20"):
+        small_llm.engine.add_request("lp", "hi", SamplingParams(**{field: 21}))
+    assert not small_llm.engine.has_unfinished_requests()
+
+
+def test_max_logprobs_minus_one_means_the_whole_vocabulary(llama_path: Path) -> None:
+    llm = LLM(str(llama_path), dtype="float32", max_model_len=64,
+              num_gpu_blocks_override=16, max_logprobs=-1)
+    vocab = llm.engine.vocab_size
+    [output] = llm.generate("hi", SamplingParams(max_tokens=1, logprobs=vocab),
+                            use_tqdm=False)
+    assert output.outputs[0].logprobs is not None
+    assert len(output.outputs[0].logprobs[0]) >= vocab
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate("hi", SamplingParams(logprobs=vocab + 1), use_tqdm=False)
+
+
+def test_the_callers_sampling_params_are_left_alone(small_llm: LLM) -> None:
+    params = SamplingParams(n=2, seed=7, max_tokens=2, bad_words=["x"])
+    before = repr(params), params.all_stop_token_ids, params.bad_words_token_ids
+    small_llm.generate("hi", params, use_tqdm=False)
+    assert (repr(params), params.all_stop_token_ids, params.bad_words_token_ids) == before
+    assert params.seed == 7 and params.n == 2

@@ -42,6 +42,8 @@ _HELP = {
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
     "trust_remote_code": "allow a model directory's own modeling code",
+    "max_logprobs": "the most logprobs or prompt_logprobs one request may ask for; -1: "
+                    "the whole vocabulary",
     "enforce_eager": "compile nothing (on CPU, decode attention then gathers KV blocks "
                      "instead of the torch.compile'd kernel)",
     "tensor_parallel_size": "number of GPUs (only 1 for now)",

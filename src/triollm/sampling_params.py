@@ -11,9 +11,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PoolingParams", "RequestOutputKind", "SamplingParams"]
+__all__ = ["SEED_MAX", "SEED_MIN", "PoolingParams", "RequestOutputKind", "SamplingParams",
+           "check_text"]
 
 _GREEDY_EPSILON = 1e-5
+#: vLLM's bounds for ``seed``: a signed 64-bit integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -26,6 +29,16 @@ class RequestOutputKind(enum.Enum):
 
 def _fail(field_name: str, message: str) -> ValueError:
     return ValueError(f"{field_name}: {message}")
+
+
+def check_text(field_name: str, text: str) -> None:
+    """Refuse text that is not valid Unicode (JSON can carry a lone surrogate such as
+    ``"\\ud800"``, which no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _fail(field_name, f"is not valid Unicode text ({error.reason} at position "
+                                f"{error.start})") from None
 
 
 @dataclass
@@ -98,8 +111,16 @@ class SamplingParams:
         def is_int(value: object) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
+        def is_real(value: object) -> bool:
+            return (isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value))
+
         if not is_int(self.n) or self.n < 1:
             raise _fail("n", f"must be an integer >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
+            if not is_real(getattr(self, name)):
+                raise _fail(name, f"must be a finite number, got {getattr(self, name)!r}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise _fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -114,8 +135,10 @@ class SamplingParams:
             raise _fail("top_k", f"must be -1 (disabled) or an integer >= 0, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise _fail("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not is_int(self.seed):
-            raise _fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise _fail("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (a signed "
+                                f"64-bit integer), got {self.seed!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -134,6 +157,8 @@ class SamplingParams:
             if not isinstance(words, list) or any(not isinstance(w, str) or not w
                                                   for w in words):
                 raise _fail(name, "must contain only non-empty strings")
+            for word in words:
+                check_text(name, word)
         stops: list[str] = self.stop if isinstance(self.stop, list) else []
         for name in ("stop_token_ids", "allowed_token_ids"):
             if any(not is_int(t) or t < 0 for t in getattr(self, name) or []):
@@ -181,10 +206,17 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    def child(self, index: int) -> SamplingParams:
-        """The parameters of sample ``index`` of an ``n > 1`` request (seed offset by index)."""
-        seed = None if self.seed is None else self.seed + index
-        params = SamplingParams(**{**self._as_kwargs(), "n": 1, "seed": seed})
+    def clone(self) -> SamplingParams:
+        """A copy that shares no mutable state with this one (the engine works on its
+        own copy: the caller may reuse or change theirs)."""
+        return self.child(0, n=self.n)
+
+    def child(self, index: int, *, n: int = 1) -> SamplingParams:
+        """The parameters of sample ``index`` of an ``n > 1`` request: the seed offset by
+        ``index``, wrapped around within the signed 64-bit range."""
+        seed = (None if self.seed is None
+                else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN)
+        params = SamplingParams(**{**self._as_kwargs(), "n": n, "seed": seed})
         params.all_stop_token_ids = set(self.all_stop_token_ids)
         params.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         return params

@@ -2,8 +2,9 @@
 
 * ``FakeModelRunner``: a deterministic ``ModelRunner`` with no torch; the next token
   of a sequence is a pure function of its last token and position, so results do not
-  depend on batching, chunking or preemption. It can sleep per step and raise at a
-  chosen step to test failure handling.
+  depend on batching, chunking or preemption. Logprobs and prompt logprobs, where
+  asked for, hold only the chosen token, with ``fake_logprob(position)``. It can
+  sleep per step and raise at a chosen step to test failure handling.
 * ``build_tiny_model``: a random-weight transformers model of a supported family,
   saved with a tokenizer trained offline, ready for ``LLM(model=path)``.
 """
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from triollm.step import RunnerOutput, SchedulerOutput
+from triollm.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -27,6 +28,7 @@ __all__ = [
     "FakeModelRunner",
     "build_tiny_model",
     "fake_completion",
+    "fake_logprob",
     "fake_next_token",
     "tiny_config",
     "train_test_tokenizer",
@@ -91,16 +93,33 @@ class FakeModelRunner:
         if step == self.fail_at_step or (self.fail_when and self.fail_when(scheduler_output)):
             raise RuntimeError(f"fake model failure at step {step}")
         self.computed.append(scheduler_output)
-        sampled = {}
+        output = RunnerOutput()
         for item in scheduler_output.scheduled:
+            if item.wants_prompt_logprobs:
+                prompt = item.prompt_token_ids
+                last = min(item.start_position + item.num_tokens, len(prompt) - 1)
+                output.prompt_logprobs[item.request_id] = [
+                    _fake_logprobs(prompt[position + 1], position + 1)
+                    for position in range(item.start_position, last)]
             if item.sample:
                 position = item.start_position + item.num_tokens - 1
-                sampled[item.request_id] = fake_next_token(item.token_ids[-1], position,
-                                                           self.vocab_size)
-        return RunnerOutput(sampled_token_ids=sampled)
+                token = fake_next_token(item.token_ids[-1], position, self.vocab_size)
+                output.sampled_token_ids[item.request_id] = token
+                if item.sampling_params.logprobs is not None:
+                    output.logprobs[item.request_id] = _fake_logprobs(token, position + 1)
+        return output
 
     def shutdown(self) -> None:
         self.shut_down = True
+
+
+def fake_logprob(position: int) -> float:
+    """The log-probability ``FakeModelRunner`` reports for the token at ``position``."""
+    return -((position % 7) + 1) / 10
+
+
+def _fake_logprobs(token: int, position: int) -> TokenLogprobs:
+    return TokenLogprobs(token_ids=[token], logprobs=[fake_logprob(position)], ranks=[1])
 
 
 def train_test_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerBase:

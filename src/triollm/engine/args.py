@@ -117,6 +117,7 @@ class EngineArgs:
     kv_cache_space_gb: float = 4.0
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    max_logprobs: int = 20
     tensor_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
 
@@ -160,6 +161,7 @@ class EngineArgs:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             enforce_eager=self.enforce_eager,
+            max_logprobs=self.max_logprobs,
             hf_config=hf_config,
         )
         cache = CacheConfig(
@@ -191,6 +193,10 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None:
                 positive_int(name, value)
+        if (not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool)
+                or self.max_logprobs < -1):
+            raise _fail("max_logprobs", f"must be an integer >= -1 (-1: the whole "
+                        f"vocabulary), got {self.max_logprobs!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _fail("gpu_memory_utilization", f"must be in (0, 1], got "
                         f"{self.gpu_memory_utilization}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, NoReturn
 
@@ -284,7 +284,7 @@ class AsyncLLMEngine:
         finally:
             channel.receive.close()
             if not finished:
-                self._abort_now(request_id, channel)
+                self._abort_now(channel)
 
     def _add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
                      priority: int, is_latency_sensitive: bool = False,
@@ -295,14 +295,12 @@ class AsyncLLMEngine:
         if not self._running or core is None:
             raise EngineClosedError("the engine is not running: use `async with engine` or "
                                     "`await task_group.start(engine.run)`")
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id: must be a string, got {request_id!r}")
         if request_id in self._channels:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        core.add_request(request_id, prompt, params, priority=priority,
-                         is_latency_sensitive=is_latency_sensitive, slo=slo,
-                         ttft_slo=ttft_slo)
-        channel = self._channels.open(request_id, params.output_kind)
+        engine_id = core.add_request(request_id, prompt, params, priority=priority,
+                                     is_latency_sensitive=is_latency_sensitive, slo=slo,
+                                     ttft_slo=ttft_slo)
+        channel = self._channels.open(request_id, params.output_kind, engine_id)
         if self.log_requests:
             self._log_request(request_id, prompt, params)
         self._wake()
@@ -314,22 +312,25 @@ class AsyncLLMEngine:
             shown = prompt[: self.max_log_len]
         logger.info("Received request %s: prompt: %r, params: %s.", request_id, shown, params)
 
-    def _abort_now(self, request_id: str, channel: RequestChannel | None = None) -> None:
+    def _abort_now(self, channel: RequestChannel) -> None:
+        """Abort the request behind ``channel`` (by its engine id: a request that reuses
+        the caller's id since is not touched) and end its stream."""
         core = self._core
-        outputs = core.abort_requests([request_id]) if core is not None else []
-        channel = channel or self._channels.get(request_id)
-        if channel is not None:
-            self._channels.close(channel, outputs)
+        outputs = core.abort_engine_requests([channel.engine_id]) if core is not None else []
+        self._channels.close(channel, outputs)
         if outputs:
             self._record_stats()
             if self.log_requests:
-                logger.info("Aborted request %s.", request_id)
+                logger.info("Aborted request %s.", channel.request_id)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request: its stream ends with a final output whose finish_reason is
-        ``"abort"``. A no-op for a finished or unknown id."""
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort one request or several: each stream ends with a final output whose
+        finish_reason is ``"abort"``. Finished or unknown ids are ignored."""
         self._raise_if_dead()
-        self._abort_now(request_id)
+        for one_id in [request_id] if isinstance(request_id, str) else request_id:
+            channel = self._channels.get(one_id)
+            if channel is not None:
+                self._abort_now(channel)
         await anyio.lowlevel.checkpoint()
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,

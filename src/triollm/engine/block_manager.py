@@ -6,17 +6,24 @@ referenced by every request whose table holds it and returns to the free queue w
 count drops to zero.
 
 Automatic prefix caching (``enable_prefix_caching``): a block full of computed tokens
-is identified by a chained hash, ``hash((parent's hash, its token ids))``, so one hash
+is identified by a chained hash, ``sha256(parent's hash + its token ids)``, so one hash
 names a whole prefix. A new request reuses every cached block of its longest cached
 prefix. A freed block keeps its contents and its hash while it waits in the free queue
 (it still counts as free); the queue is in eviction order (least recently freed first,
 a request's tail blocks before its head), and a block handed out again loses its hash
-then. Hashes are 64-bit: two different prefixes sharing one is possible in principle and
-vanishingly unlikely in practice (the same trade-off as vLLM's default).
+then.
+
+The hash is SHA-256 because a hit hands one request the KV another computed: with a
+weak hash, a crafted prompt could collide with another user's prefix and read their
+KV (vLLM's advisory GHSA-rm76-4mrf-v9r8; vLLM uses SHA-256 since 0.10.2). A request's
+``cache_salt`` starts its chain from a root of its own, so only requests with the same
+salt share blocks (a tenant can opt out of sharing).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -38,9 +45,16 @@ class BlockManagerStatistics:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
-def _chain_hash(parent: int | None, block_token_ids: list[int]) -> int:
+def _chain_root(salt: str | None) -> bytes:
+    """Where a request's chain of block hashes starts: its salt's own root, if any."""
+    if salt is None:
+        return b""
+    return hashlib.sha256(b"triollm cache salt\0" + salt.encode()).digest()
+
+
+def _chain_hash(parent: bytes, block_token_ids: list[int]) -> bytes:
     """The hash naming a full block together with everything before it."""
-    return hash((parent, tuple(block_token_ids)))
+    return hashlib.sha256(parent + array("q", block_token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -54,9 +68,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
-        self._cached: dict[int, int] = {}  # prefix hash -> block
-        self._block_hash: dict[int, int] = {}  # block -> prefix hash
-        self._request_hashes: dict[str, list[int]] = {}  # hashes of a request's full blocks
+        self._cached: dict[bytes, int] = {}  # prefix hash -> block
+        self._block_hash: dict[int, bytes] = {}  # block -> prefix hash
+        self._request_hashes: dict[str, list[bytes]] = {}  # hashes of a request's full blocks
         self._queries = 0
         self._hits = 0
 
@@ -109,16 +123,17 @@ class BlockManager:
 
     # -- prefix caching ----------------------------------------------------------------
 
-    def attach_cached_prefix(self, request_id: str, token_ids: list[int]) -> int:
+    def attach_cached_prefix(self, request_id: str, token_ids: list[int], *,
+                             salt: str | None = None) -> int:
         """Give a request that holds no blocks the cached blocks of its longest cached
         prefix; returns how many tokens they cover (always fewer than ``token_ids``, so
         at least the last token is computed)."""
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return 0
         size = self.block_size
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         blocks: list[int] = []
-        parent: int | None = None
+        parent = _chain_root(salt)
         # A full hit would leave nothing to compute: look at one token fewer.
         for start in range(0, len(token_ids) - 1 - size + 1, size):
             parent = _chain_hash(parent, token_ids[start:start + size])
@@ -140,7 +155,7 @@ class BlockManager:
         return len(blocks) * size
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int],
-                          num_computed_tokens: int) -> None:
+                          num_computed_tokens: int, *, salt: str | None = None) -> None:
         """Record the blocks that ``num_computed_tokens`` computed tokens now fill."""
         if not self.enable_prefix_caching:
             return
@@ -152,7 +167,7 @@ class BlockManager:
         full = min(num_computed_tokens // size, len(table))
         while len(hashes) < full:
             index = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else _chain_root(salt)
             prefix_hash = _chain_hash(parent, token_ids[index * size:(index + 1) * size])
             hashes.append(prefix_hash)
             block = table[index]

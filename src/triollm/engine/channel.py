@@ -175,6 +175,7 @@ class RequestChannel:
         "_pending",
         "_wakeup",
         "closed",
+        "engine_id",
         "error",
         "output_kind",
         "receive",
@@ -183,8 +184,10 @@ class RequestChannel:
     )
 
     def __init__(self, request_id: str, output_kind: RequestOutputKind, buffer_size: int,
-                 make_wakeup: Callable[[], Wakeup]) -> None:
+                 make_wakeup: Callable[[], Wakeup], engine_id: str = "") -> None:
         self.request_id = request_id
+        #: The engine's id of the request (``EngineCore.add_request``'s result).
+        self.engine_id = engine_id
         self.output_kind = output_kind
         self.send, self.receive = anyio.create_memory_object_stream[RequestOutput](buffer_size)
         self._pending: RequestOutput | _DeltaBacklog | None = None
@@ -278,10 +281,12 @@ class RequestChannels:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._channels
 
-    def open(self, request_id: str, output_kind: RequestOutputKind) -> RequestChannel:
+    def open(self, request_id: str, output_kind: RequestOutputKind, engine_id: str
+             ) -> RequestChannel:
         if request_id in self._channels:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        channel = RequestChannel(request_id, output_kind, self.buffer_size, self.make_wakeup)
+        channel = RequestChannel(request_id, output_kind, self.buffer_size, self.make_wakeup,
+                                 engine_id)
         self._channels[request_id] = channel
         return channel
 

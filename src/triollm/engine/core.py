@@ -3,10 +3,17 @@
 ``EngineCore`` owns the scheduler and the requests; it does not own a thread or an
 event loop. ``step()`` is the whole loop body; the async engine calls its three parts
 separately so that ``execute`` can run in the model thread.
+
+Request ids: callers name their requests, and a name may not be reused while its
+request is in flight. Inside, everything is keyed by ids the engine makes,
+``"<request_id>-<n>"`` with ``n`` unique to this engine: one for the request and one
+for each of its ``n`` samples. So no name a client chooses can collide with another
+request's samples, and an abort by engine id reaches only its own request.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable
 
@@ -45,9 +52,15 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids=self.eos_token_ids,
                                                 max_model_len=self.max_model_len)
+        self.max_logprobs = (self.vocab_size if config.model.max_logprobs == -1
+                             else min(config.model.max_logprobs, self.vocab_size))
+        #: In-flight requests by engine id, and the engine id of each caller's id.
         self._parents: dict[str, ParentRequest] = {}
+        self._engine_ids: dict[str, str] = {}
+        #: Each sample by engine id, and the request it belongs to.
         self._requests: dict[str, Request] = {}
         self._parent_of: dict[str, ParentRequest] = {}
+        self._sequence_numbers = itertools.count()
         #: Gather ``IterationStats`` for ``take_stats()`` (off unless someone takes them,
         #: so an offline run does not accumulate per-token latencies).
         self.collect_stats = False
@@ -70,17 +83,25 @@ class EngineCore:
         is_latency_sensitive: bool = False,
         slo: float | None = None,
         ttft_slo: float | None = None,
-    ) -> None:
-        """Validate and queue a request. Raises ``ValueError`` (and changes nothing) for a
-        bad prompt, bad parameters or a duplicate id.
+    ) -> str:
+        """Validate and queue a request; returns its engine id. Raises ``ValueError``
+        (and changes nothing) for a bad prompt, bad parameters or an id in flight.
 
         ``slo`` is a latency target in seconds per output token and ``ttft_slo`` one for
         the first token; ``is_latency_sensitive`` requests are served first under the
         ``slo`` scheduling policy, which also sizes steps to keep to their ``slo``."""
-        if request_id in self._parents:
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id: must be a string, got {request_id!r}")
+        if request_id in self._engine_ids:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
+        params = params.clone()  # the caller's object is theirs; the engine fills in ours
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}: {value} is more than this engine allows "
+                                 f"(max_logprobs={self.max_logprobs})")
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError("priority: a non-zero priority needs scheduling_policy='priority'")
         for name, value in (("slo", slo), ("ttft_slo", ttft_slo)):
@@ -98,33 +119,45 @@ class EngineCore:
             params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
+        engine_id = self._new_engine_id(request_id)
         children = []
         for index in range(params.n):
             child_params = params if params.n == 1 else params.child(index)
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            child_id = engine_id if params.n == 1 else self._new_engine_id(request_id)
             child = Request(child_id, processed.token_ids, child_params, arrival,
                             priority=priority, index=index,
                             is_latency_sensitive=is_latency_sensitive, slo=slo,
-                            ttft_slo=ttft_slo)
+                            ttft_slo=ttft_slo, cache_salt=processed.cache_salt)
             child.detokenizer = self.output_processor.make_detokenizer(child_params,
                                                                        processed.token_ids)
             children.append(child)
-        parent = ParentRequest(request_id, processed.text, processed.token_ids,
-                                params.output_kind, children)
-        self._parents[request_id] = parent
+        parent = ParentRequest(request_id, engine_id, processed.text, processed.token_ids,
+                               params.output_kind, children)
+        self._parents[engine_id] = parent
+        self._engine_ids[request_id] = engine_id
         for child in children:
             self._requests[child.request_id] = child
             self._parent_of[child.request_id] = parent
             self.scheduler.add_request(child)
+        return engine_id
+
+    def _new_engine_id(self, request_id: str) -> str:
+        return f"{request_id}-{next(self._sequence_numbers)}"
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
-        """Abort user requests now; unknown or finished ids are ignored. Returns each
-        aborted request's final output (finish_reason ``"abort"``)."""
+        """Abort requests by the callers' ids now; unknown or finished ids are ignored.
+        Returns each aborted request's final output (finish_reason ``"abort"``)."""
+        return self.abort_engine_requests(
+            [self._engine_ids[i] for i in request_ids if i in self._engine_ids])
+
+    def abort_engine_requests(self, engine_ids: Iterable[str]) -> list[RequestOutput]:
+        """Abort requests by the engine ids ``add_request`` returned (so a caller's id
+        reused since then is not touched); unknown or finished ids are ignored."""
         parents = {}
-        for request_id in request_ids:
-            parent = self._parents.get(request_id)
+        for engine_id in engine_ids:
+            parent = self._parents.get(engine_id)
             if parent is not None:
-                parents[request_id] = parent
+                parents[engine_id] = parent
         running = [child for parent in parents.values() for child in parent.children
                    if not child.is_finished]
         # One call for all of them: the scheduler's removal scans its queues once.
@@ -149,7 +182,8 @@ class EngineCore:
         return bool(self._parents)
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self._parents)
+        """The callers' ids of the requests in flight."""
+        return list(self._engine_ids)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -192,7 +226,8 @@ class EngineCore:
                 continue  # aborted while the step ran
             prompt_lps = runner_output.prompt_logprobs.get(item.request_id)
             if prompt_lps:
-                self.output_processor.append_prompt_logprobs(request, prompt_lps)
+                self.output_processor.append_prompt_logprobs(
+                    request, prompt_lps, first_position=item.start_position + 1)
             token = runner_output.sampled_token_ids.get(item.request_id)
             if token is None:
                 continue
@@ -211,7 +246,7 @@ class EngineCore:
                 self._finish(request, status, now)  # the scheduler frees it below
                 finished.setdefault(status, []).append(request.request_id)
             parent = self._parent_of[request.request_id]
-            touched[parent.request_id] = parent
+            touched[parent.engine_id] = parent
         for status, ids in finished.items():
             self.scheduler.finish_requests(ids, status)
 
@@ -227,7 +262,9 @@ class EngineCore:
         return outputs
 
     def _forget(self, parent: ParentRequest) -> None:
-        self._parents.pop(parent.request_id, None)
+        self._parents.pop(parent.engine_id, None)
+        if self._engine_ids.get(parent.request_id) == parent.engine_id:
+            del self._engine_ids[parent.request_id]
         for child in parent.children:
             self._requests.pop(child.request_id, None)
             self._parent_of.pop(child.request_id, None)

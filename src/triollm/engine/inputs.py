@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 from triollm.engine.detokenizer import Tokenizer
+from triollm.sampling_params import check_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -25,10 +26,14 @@ __all__ = ["ProcessedPrompt", "PromptType", "TextPrompt", "TokensPrompt", "bad_w
 
 class TextPrompt(TypedDict):
     prompt: str
+    #: Only requests with the same salt share prefix-cache blocks (vLLM's field).
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
 
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
@@ -38,6 +43,7 @@ PromptType = str | list[int] | TextPrompt | TokensPrompt
 class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
+    cache_salt: str | None = None
 
 
 def process_prompt(prompt: object, tokenizer: Tokenizer | None, *, max_model_len: int,
@@ -47,7 +53,12 @@ def process_prompt(prompt: object, tokenizer: Tokenizer | None, *, max_model_len
         text, token_ids = prompt, None
     elif isinstance(prompt, Mapping):
         if "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            if not isinstance(ids, Sequence) or isinstance(ids, str | bytes | bytearray):
+                raise ValueError("prompt_token_ids: must be a list of token ids")
+            if text is not None and not isinstance(text, str):
+                raise ValueError("prompt: the 'prompt' field must be a string")
+            token_ids = list(ids)
         elif "prompt" in prompt:
             text, token_ids = prompt["prompt"], None
         else:
@@ -64,6 +75,7 @@ def process_prompt(prompt: object, tokenizer: Tokenizer | None, *, max_model_len
             raise ValueError("prompt: must not be empty")
         if tokenizer is None:
             raise ValueError("prompt: this engine has no tokenizer; give prompt_token_ids")
+        check_text("prompt", text)
         token_ids = tokenizer.encode(text)
     if not token_ids:
         raise ValueError("prompt: must contain at least one token")
@@ -77,7 +89,12 @@ def process_prompt(prompt: object, tokenizer: Tokenizer | None, *, max_model_len
     if len(token_ids) >= max_model_len:
         raise ValueError(f"prompt: {len(token_ids)} tokens leave no room to generate within "
                          f"max_model_len={max_model_len}")
-    return ProcessedPrompt(text=text, token_ids=token_ids)
+    cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError("cache_salt: must be a non-empty string")
+    if cache_salt is not None:
+        check_text("cache_salt", cache_salt)
+    return ProcessedPrompt(text=text, token_ids=token_ids, cache_salt=cache_salt)
 
 
 def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int]]:

@@ -24,7 +24,9 @@ __all__ = ["OutputProcessor", "ParentRequest"]
 class ParentRequest:
     """A user request: ``n`` sampled sequences that share one prompt and one output."""
 
+    #: The caller's id (what its outputs carry) and the engine's (what it is keyed by).
     request_id: str
+    engine_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind
@@ -92,10 +94,15 @@ class OutputProcessor:
         previous = request.cumulative_logprob or 0.0
         request.cumulative_logprob = previous + token_lp.logprobs[0]
 
-    def append_prompt_logprobs(self, request: Request, prompt_lps: list[TokenLogprobs]
-                               ) -> None:
-        if request.prompt_logprobs is not None:
-            request.prompt_logprobs.extend(self.logprob_dict(lp) for lp in prompt_lps)
+    def append_prompt_logprobs(self, request: Request, prompt_lps: list[TokenLogprobs], *,
+                               first_position: int) -> None:
+        """Record the logprobs of prompt positions ``first_position, ...``; positions
+        already recorded (computed again after a preemption) are skipped."""
+        recorded = request.prompt_logprobs
+        if recorded is None:
+            return
+        new = prompt_lps[max(0, len(recorded) - first_position):]
+        recorded.extend(self.logprob_dict(lp) for lp in new)
 
     def logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         """One position's logprobs as vLLM shows them: token id -> ``Logprob``."""

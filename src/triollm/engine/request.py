@@ -52,8 +52,11 @@ class Request:
         is_latency_sensitive: bool = False,
         slo: float | None = None,
         ttft_slo: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        #: Prefix-cache blocks are shared only between requests with the same salt.
+        self.cache_salt = cache_salt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.priority = priority

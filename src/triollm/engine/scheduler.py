@@ -223,7 +223,7 @@ class Scheduler:
                 # Reuse the KV of the longest cached prefix (prompt logprobs need every
                 # position's logits, so those requests compute everything).
                 request.num_computed_tokens = self.block_manager.attach_cached_prefix(
-                    request.request_id, request.all_token_ids)
+                    request.request_id, request.all_token_ids, salt=request.cache_salt)
             wanted = request.num_tokens - request.num_computed_tokens
             num_new = budget.grant(request, wanted)
             if num_new < wanted and (num_new == 0 or not self.config.enable_chunked_prefill):
@@ -328,7 +328,8 @@ class Scheduler:
             if request is not None and request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens += item.num_tokens
                 self.block_manager.cache_full_blocks(
-                    request.request_id, request.all_token_ids, request.num_computed_tokens)
+                    request.request_id, request.all_token_ids, request.num_computed_tokens,
+                    salt=request.cache_salt)
 
     def statistics(self) -> SchedulerStatistics:
         self._drop_finished()
