@@ -23,6 +23,8 @@ from triollm.server.state import CorsSettings, ServerSettings, ServerState
 from triollm.testing import FakeModelRunner
 
 API_KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+LOGPROB_ENTRIES = 50_000
 MODEL = "tiny"
 BODY_LIMIT = 64 * 1024
 MAX_MODEL_LEN = 256
@@ -35,7 +37,8 @@ def server(llama_path: Path) -> Iterator[ThreadedServer]:
                            disable_log_requests=True)
     engine = AsyncLLMEngine.from_engine_args(args)
     with server_in_thread(engine, api_key=API_KEY, served_model_names=(MODEL,),
-                          max_request_body_bytes=BODY_LIMIT) as running:
+                          max_request_body_bytes=BODY_LIMIT,
+                          max_logprob_entries=LOGPROB_ENTRIES) as running:
         yield running
     assert not running.errors, running.errors
 
@@ -177,7 +180,7 @@ def test_n_seed_logprobs_and_echo(client: openai.OpenAI) -> None:
 def test_logit_bias_and_allowed_token_ids(server: ThreadedServer,
                                          client: openai.OpenAI) -> None:
     def token_text(token: int) -> str:
-        response = httpx.post(server.url + "/detokenize", json={"tokens": [token]})
+        response = httpx.post(server.url + "/detokenize", headers=AUTH, json={"tokens": [token]})
         return str(response.json()["prompt"])
 
     forced = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5,
@@ -202,7 +205,8 @@ def test_logit_bias_and_allowed_token_ids(server: ThreadedServer,
 
 def test_prompt_logprobs(server: ThreadedServer, client: openai.OpenAI) -> None:
     prompt = "The lighthouse keeper counted ships"
-    tokens = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    tokens = httpx.post(server.url + "/tokenize", headers=AUTH,
+                        json={"prompt": prompt}).json()["tokens"]
     asked = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
                                       temperature=0, extra_body={"prompt_logprobs": 2})
     echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
@@ -309,16 +313,18 @@ def test_models_health_version_tokenize_and_openapi(server: ThreadedServer,
     [card] = client.models.list().data
     assert card.id == MODEL
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/version").json()["version"]
-    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert httpx.get(server.url + "/version", headers=AUTH).json()["version"]
+    tokens = httpx.post(server.url + "/tokenize", headers=AUTH,
+                        json={"prompt": "Hello world"}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0
     assert tokens["max_model_len"] == MAX_MODEL_LEN
-    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    text = httpx.post(server.url + "/detokenize", headers=AUTH,
+                      json={"tokens": tokens["tokens"]}).json()
     assert text["prompt"].strip() == "Hello world"
-    chat = httpx.post(server.url + "/tokenize",
+    chat = httpx.post(server.url + "/tokenize", headers=AUTH,
                       json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 1
-    schema = httpx.get(server.url + "/openapi.json").json()
+    schema = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
                  "/tokenize", "/detokenize", "/generate", "/metrics", "/version"):
         assert path in schema["paths"], path
@@ -332,14 +338,13 @@ def test_models_health_version_tokenize_and_openapi(server: ThreadedServer,
 def test_seed_generate_endpoint(server: ThreadedServer) -> None:
     """vLLM's minimal /generate of the seed's api_server, plain and streaming."""
     body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
-    plain = httpx.post(server.url + "/generate", json=body).json()
+    plain = httpx.post(server.url + "/generate", headers=AUTH, json=body).json()
     assert plain["text"][0].startswith("Hello")
-    with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}) as r:
+    with httpx.stream("POST", server.url + "/generate", headers=AUTH,
+                      json={**body, "stream": True}) as r:
         chunks = [c for c in r.read().split(b"\0") if c]
-    import json
-
     assert json.loads(chunks[-1])["text"] == plain["text"]
-    assert httpx.post(server.url + "/generate", json={"prompt": "x", "bogus": 1}
+    assert httpx.post(server.url + "/generate", headers=AUTH, json={"prompt": "x", "bogus": 1}
                       ).status_code == 400
 
 
@@ -431,6 +436,104 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(
                                      ).choices[0].text is not None
     assert_idle(server)
 
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None
+                        ) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def post_json(url: str, body: dict[str, Any]) -> httpx.Response:
+    """POST ``body`` as ASCII JSON, so a lone surrogate travels as ``\\ud800`` (as any
+    client can send it)."""
+    return httpx.post(url, content=json.dumps(body).encode(),
+                      headers={**AUTH, "content-type": "application/json"})
+
+
+def test_hostile_requests_get_400s_and_the_server_keeps_serving(
+        server: ThreadedServer, client: openai.OpenAI) -> None:
+    """Each of these once killed the engine, or answered a bare 500 or ``{"detail"}``."""
+    url = server.url + "/v1/completions"
+    good = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for body, param in [
+        ({**good, "seed": 1180591620717411303424}, "seed"),
+        ({**good, "n": 2, "seed": 18446744073709551615}, "seed"),
+        ({**good, "max_tokens": 2**63}, "max_tokens"),
+        ({**good, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),  # prompt + max_tokens > context
+        ({**good, "prompt": "a\ud800b"}, "prompt"),
+        ({**good, "n": 50, "logprobs": 20, "max_tokens": 50}, "logprobs"),  # > LOGPROB_ENTRIES
+        ({**good, "cache_salt": ""}, "cache_salt"),
+    ]:
+        assert_openai_error(post_json(url, body), 400, param)
+    for body, param in [
+        ({"prompt": "hi", "logprobs": 10_000}, "logprobs"),
+        ({"prompt": "hi", "prompt_logprobs": 10_000}, "prompt_logprobs"),
+        ({"prompt": "hi", "n": 5000}, "n"),
+        ({"prompt": "hi", "seed": 2**70}, "seed"),
+        ({"prompt": "hi", "output_kind": 1}, "output_kind"),
+    ]:
+        assert_openai_error(post_json(server.url + "/generate", body), 400, param)
+    for body, param in [({"messages": []}, "messages"), ({"prompt": "a\ud800b"}, "prompt")]:
+        assert_openai_error(post_json(server.url + "/tokenize", body), 400, param)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]}
+    assert_openai_error(post_json(server.url + "/v1/chat/completions", chat), 400, "messages")
+    # Errors raised outside the routes: unknown route, wrong method, a body that does
+    # not parse (invalid UTF-8, JSON nested deeper than Python's parser goes).
+    assert_openai_error(httpx.get(server.url + "/v2/nothing", headers=AUTH), 404)
+    assert_openai_error(httpx.get(url, headers=AUTH), 405)
+    json_headers = {**AUTH, "content-type": "application/json"}
+    assert_openai_error(httpx.post(url, content=b'{"prompt": "\xff\xfe"}',
+                                   headers=json_headers), 400)
+    assert_openai_error(httpx.post(url, content=b"[" * 20_000 + b"]" * 20_000,
+                                   headers=json_headers), 400)
+    # A reply just under the logprob limit is built off the event loop and arrives whole.
+    big = httpx.post(url, headers=AUTH, timeout=60, json={
+        **good, "n": 20, "logprobs": 20, "max_tokens": 100, "ignore_eos": True})
+    assert big.status_code == 200
+    assert all(len(c["logprobs"]["tokens"]) == 100 for c in big.json()["choices"])
+    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=3
+                                     ).choices[0].text is not None
+    assert_idle(server)
+
+
+def test_the_key_guards_every_route_but_health_ping_and_metrics(
+        server: ThreadedServer) -> None:
+    for method, path in [("POST", "/generate"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                         ("GET", "/version"), ("GET", "/openapi.json"), ("GET", "/v1/models"),
+                         ("POST", "/v1/completions"), ("GET", "/v2/nothing")]:
+        response = httpx.request(method, server.url + path, json={"prompt": "x"})
+        assert_openai_error(response, 401)
+    for path in ("/health", "/ping", "/metrics"):
+        assert httpx.get(server.url + path).status_code == 200, path
+    assert httpx.post(server.url + "/ping").status_code == 200
+
+
+def test_clients_reusing_one_request_id_do_not_meet(server: ThreadedServer) -> None:
+    """Two clients sending the same X-Request-Id at once are both served, each with its
+    own answer (the engine knows them by ids of the server's own)."""
+    import concurrent.futures
+
+    headers = {**AUTH, "X-Request-Id": "shared-id"}
+
+    def ask(prompt: str) -> httpx.Response:
+        return httpx.post(server.url + "/v1/completions", headers=headers, timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True, "stream": False})
+
+    prompts = ["The cat sat", "Numbers go one two", "The cat sat", "Rain fell"] * 2
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(ask, prompts))
+    assert [r.status_code for r in replies] == [200] * len(prompts)
+    assert all(r.json()["id"] == "shared-id" for r in replies)
+    texts = [r.json()["choices"][0]["text"] for r in replies]
+    alone = {p: ask(p).json()["choices"][0]["text"] for p in set(prompts)}
+    assert texts == [alone[p] for p in prompts]
+    assert_idle(server)
 
 
 def test_structured_output_and_tool_calls_are_refused_not_ignored(

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from triollm.engine.args import AsyncEngineArgs, EngineArgs
+from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
     from triollm.server.serve import ServerOptions
@@ -127,6 +128,7 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
         ssl_keyfile=namespace.ssl_keyfile, ssl_certfile=namespace.ssl_certfile,
         shutdown_grace=namespace.shutdown_grace,
         max_request_body_bytes=namespace.max_request_body_bytes,
+        max_logprob_entries=namespace.max_logprob_entries,
         chat_template=chat_template, log_level=level.lower(),
         cors=CorsSettings(
             allowed_origins=tuple(namespace.allowed_origins),
@@ -177,8 +179,13 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     server.add_argument("--shutdown-grace", type=float, default=30.0,
                         help="seconds in-flight requests may run after SIGINT/SIGTERM "
                              "(default: 30)")
-    server.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+    server.add_argument("--max-request-body-bytes", type=int,
+                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies get 413 (default: 8 MiB)")
+    server.add_argument("--max-logprob-entries", type=int, default=DEFAULT_MAX_LOGPROB_ENTRIES,
+                        help="a request whose reply could carry more logprob entries (n x "
+                             "tokens x (logprobs + 1), echoed prompt included) gets 400 "
+                             f"(default: {DEFAULT_MAX_LOGPROB_ENTRIES})")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"],
                         help="log level (vLLM's name for it; default: info)")

@@ -82,9 +82,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine: the tokenizer's end-of-sequence ids, and each bad word
     # as token ids (with and without a leading space).
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
-    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False,
-                                                 compare=False)
+    all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False,
+                                         compare=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False,
+                                                 repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from triollm.errors import EngineDeadError
 
@@ -86,6 +87,29 @@ async def _validation_error(request: Request, error: Exception) -> JSONResponse:
     return OpenAIError(400, message, param=param).response()
 
 
+_HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError",
+                     404: "NotFoundError", 405: "MethodNotAllowedError"}
+
+
+async def _http_error(request: Request, error: Exception) -> JSONResponse:
+    """Starlette's own errors (an unknown route, a wrong method, a body that does not
+    parse: invalid UTF-8, JSON nested too deeply) in OpenAI's shape."""
+    assert isinstance(error, HTTPException)
+    message = str(error.detail)
+    if error.status_code == 404:
+        message = f"Not found: {request.method} {request.url.path}"
+    elif error.status_code == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}"
+    elif error.status_code == 400 and error.__cause__ is not None:
+        message = f"Invalid request body: {type(error.__cause__).__name__}: {error.__cause__}"
+    response = OpenAIError(error.status_code, message,
+                           type=_HTTP_ERROR_TYPES.get(error.status_code, "HTTPError")).response()
+    for name, value in (error.headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
 def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)

@@ -1,16 +1,19 @@
 """The ASGI layer outside FastAPI: ``RequestLifetime`` owns each HTTP request's lifetime.
 
-It checks the API key (401), reads the whole body (413 over the limit), hands it to the
-app, and meanwhile watches for ``http.disconnect``: a client that goes away cancels
-the request's scope, so ``engine.generate`` aborts the request within one engine step,
-streaming or not. (Hypercorn drops sends after a close silently and does not cancel
-handlers, so nothing else would notice.) It also counts open requests for a graceful
-shutdown.
+It checks the API key (401; every route but ``/health``, ``/ping`` and ``/metrics``),
+reads the whole body (413 over the limit), hands it to the app, and meanwhile watches
+for ``http.disconnect``: a client that goes away cancels the request's scope, so
+``engine.generate`` aborts the request within one engine step, streaming or not.
+(Hypercorn drops sends after a close silently and does not cancel handlers, so nothing
+else would notice.) An exception no route turned into a response is logged with its
+traceback and answered with a 500 in OpenAI's shape. It also counts open requests for
+a graceful shutdown.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -19,7 +22,8 @@ import anyio
 from triollm.server.errors import error_json
 from triollm.server.state import ServerState
 
-__all__ = ["ASGIApp", "Message", "Receive", "RequestLifetime", "Scope", "Send", "send_json"]
+__all__ = ["OPEN_PATHS", "ASGIApp", "Message", "Receive", "RequestLifetime", "Scope", "Send",
+           "send_json"]
 
 # ASGI's own types: its messages are plain dicts of any values.
 Scope = MutableMapping[str, Any]
@@ -27,6 +31,15 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+logger = logging.getLogger(__name__)
+
+#: Routes a load balancer or scraper reads without a key (as vLLM leaves them open).
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body arrived: nobody to answer."""
 
 
 class RequestLifetime:
@@ -44,7 +57,10 @@ class RequestLifetime:
             await send_json(send, 401, error_json(401, "Unauthorized: a valid API key is "
                                                   "required", "AuthenticationError"))
             return
-        body = await self._read_body(scope, receive)
+        try:
+            body = await self._read_body(scope, receive)
+        except _ClientGone:
+            return
         if body is None:
             await send_json(send, 413, error_json(
                 413, f"Request body larger than {self.state.settings.max_request_body_bytes}"
@@ -78,13 +94,35 @@ class RequestLifetime:
                         return
 
             request_scope.start_soon(watch_for_disconnect)
-            await self.app(scope, replay, send)
+            await self._run_app(scope, replay, send)
             request_scope.cancel_scope.cancel()
+
+    async def _run_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app; a stray exception is logged and, if no response started yet,
+        answered with a 500 (the server and the other requests carry on)."""
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as error:
+            headers = dict(scope.get("headers") or [])
+            request_id = headers.get(b"x-request-id", b"").decode("latin-1") or "-"
+            logger.error("%s %s (X-Request-Id %s) failed", scope.get("method"),
+                         scope.get("path"), request_id, exc_info=error)
+            if not started:
+                await send_json(send, 500, error_json(
+                    500, f"Internal server error: {type(error).__name__}",
+                    "InternalServerError"))
 
     def _authorized(self, scope: Scope) -> bool:
         key = self.state.settings.api_key
-        if key is None or not str(scope.get("path", "")).startswith("/v1"):
-            return True  # as vLLM: /health, /metrics and the rest stay open
+        if key is None or scope.get("path") in OPEN_PATHS:
+            return True
         headers = dict(scope.get("headers") or [])
         given = headers.get(b"authorization", b"")
         return hmac.compare_digest(given, f"Bearer {key}".encode())
@@ -100,7 +138,7 @@ class RequestLifetime:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise anyio.get_cancelled_exc_class()()  # nobody left to answer
+                raise _ClientGone
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:

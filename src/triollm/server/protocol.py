@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from triollm.sampling_params import RequestOutputKind, SamplingParams
+from triollm.server.limits import MAX_N
 
 __all__ = [
     "ChatCompletionRequest",
@@ -25,8 +26,6 @@ __all__ = [
     "UsageInfo",
 ]
 
-#: OpenAI's own limit on ``n``.
-MAX_N = 128
 
 
 def random_id(prefix: str) -> str:
@@ -88,6 +87,8 @@ class _SamplingRequest(BaseModel):
     slo: float | None = Field(default=None, gt=0)
     ttft_slo: float | None = Field(default=None, gt=0)
     request_id: str | None = None
+    #: vLLM's field: only requests with the same salt share prefix-cache blocks.
+    cache_salt: str | None = Field(default=None, min_length=1)
     # Structured output (OpenAI's response_format, vLLM's guided_* and
     # structured_outputs) is not implemented. These are refused rather than ignored: a
     # client that asked for JSON would otherwise get free text it then fails to parse.

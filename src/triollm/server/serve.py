@@ -32,6 +32,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from triollm.engine.async_engine import AsyncLLMEngine
 from triollm.server.app import build_app
+from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.server.metrics import PrometheusStatLogger
 from triollm.server.state import CorsSettings, ServerSettings, ServerState
 
@@ -50,7 +51,8 @@ class ServerOptions:
     ssl_certfile: str | None = None
     shutdown_grace: float = 30.0
     engine_death_grace: float = 2.0
-    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     chat_template: str | None = None
     cors: CorsSettings = field(default_factory=CorsSettings)
     log_level: str = "info"
@@ -88,6 +90,7 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
     state = ServerState(engine, ServerSettings(
         served_model_names=tuple(names), api_key=options.api_key,
         max_request_body_bytes=options.max_request_body_bytes,
+        max_logprob_entries=options.max_logprob_entries,
         chat_template=options.chat_template, cors=options.cors), metrics)
     app = build_app(state)
     config = Config()

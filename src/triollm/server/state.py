@@ -10,6 +10,7 @@ from fastapi import Request
 
 from triollm.engine.inputs import render_chat
 from triollm.server.errors import OpenAIError, bad_request
+from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ class CorsSettings:
 class ServerSettings:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
-    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     chat_template: str | None = None
     cors: CorsSettings = CorsSettings()
 
@@ -88,15 +90,20 @@ class ServerState:
             raise bad_request(error) from error
         return model
 
-    def render_chat(self, messages: list[ChatMessage], chat_template: str | None,
-                    add_generation_prompt: bool, tools: list[dict[str, Any]] | None
-                    ) -> list[int]:
+    def render_chat_or_400(self, messages: list[ChatMessage], chat_template: str | None,
+                           add_generation_prompt: bool, tools: list[dict[str, Any]] | None
+                           ) -> list[int]:
         """Chat messages through the chat template (the request's, the server's or the
-        tokenizer's), as token ids."""
-        return render_chat(self.engine.tokenizer,
-                           [m.model_dump(exclude_none=True) for m in messages],
-                           chat_template=chat_template or self.settings.chat_template,
-                           add_generation_prompt=add_generation_prompt, tools=tools)
+        tokenizer's), as token ids. Whatever fails there (a template that rejects the
+        messages, text no tokenizer can encode) is the request's fault: a 400."""
+        try:
+            return render_chat(self.engine.tokenizer,
+                               [m.model_dump(exclude_none=True) for m in messages],
+                               chat_template=chat_template or self.settings.chat_template,
+                               add_generation_prompt=add_generation_prompt, tools=tools)
+        except Exception as error:
+            raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
+                              param="messages") from error
 
 
 def server_state(request: Request) -> ServerState:

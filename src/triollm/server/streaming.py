@@ -76,7 +76,9 @@ async def run_stream(opened: list[EngineStream], emit: Emit,
 
 
 class NullDelimitedStream(Response):
-    """The seed's streaming /generate: cumulative texts as JSON, each followed by NUL."""
+    """The seed's streaming /generate: cumulative texts as JSON, each followed by NUL.
+    An engine that dies or shuts down mid-stream ends it with an ``{"error": ...}``
+    chunk in OpenAI's shape."""
 
     def __init__(self, stream: EngineStream, first: RequestOutput) -> None:
         super().__init__(status_code=200, media_type="application/json")
@@ -92,5 +94,10 @@ class NullDelimitedStream(Response):
                 chunk = json.dumps({"text": [prompt + c.text for c in output.outputs]})
                 await send({"type": "http.response.body",
                             "body": chunk.encode() + b"\0", "more_body": True})
-                output = None if output.finished else await anext(self.stream, None)
+                try:
+                    output = None if output.finished else await anext(self.stream, None)
+                except (EngineDeadError, EngineClosedError) as error:
+                    await send({"type": "http.response.body", "more_body": True,
+                                "body": json.dumps(stream_error_event(error)).encode() + b"\0"})
+                    output = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from triollm.server.errors import OpenAIError, bad_request
+from triollm.server.errors import bad_request
 from triollm.server.formatting import (
     chat_logprobs,
     prompt_logprobs,
@@ -23,6 +23,7 @@ from triollm.server.generation import (
     close_all,
     final_outputs,
     outputs,
+    reply,
     request_id_for,
     submit,
 )
@@ -48,12 +49,8 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
     model = state.check_request(body)
-    try:
-        token_ids = state.render_chat(body.messages, body.chat_template,
-                                      body.add_generation_prompt, body.tools)
-    except Exception as error:  # template errors are the request's fault
-        raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
-                          param="messages") from error
+    token_ids = state.render_chat_or_400(body.messages, body.chat_template,
+                                         body.add_generation_prompt, body.tools)
     top = body.top_logprobs or 0
     try:
         params = body.sampling_params(
@@ -75,13 +72,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         await close_all(opened)
         raise
     await close_all(opened)
-    choices = [ChatChoice(
-        index=c.index, message=ChatMessageOut(content=c.text),
-        logprobs=chat_logprobs(c, top) if body.logprobs else None,
-        finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
-    return JSONResponse(ChatCompletionResponse(
-        id=request_id, created=created, model=model, choices=choices,
-        usage=usage([final]), prompt_logprobs=prompt_logprobs(body, final)).model_dump())
+
+    def build() -> JSONResponse:
+        choices = [ChatChoice(
+            index=c.index, message=ChatMessageOut(content=c.text),
+            logprobs=chat_logprobs(c, top) if body.logprobs else None,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+        return JSONResponse(ChatCompletionResponse(
+            id=request_id, created=created, model=model, choices=choices,
+            usage=usage([final]), prompt_logprobs=prompt_logprobs(body, final)).model_dump())
+
+    return await reply(build, [final])
 
 
 def _stream_writer(body: ChatCompletionRequest, item: Submitted, opened: list[EngineStream],

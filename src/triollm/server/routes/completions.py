@@ -25,6 +25,7 @@ from triollm.server.generation import (
     close_all,
     final_outputs,
     outputs,
+    reply,
     request_id_for,
     submit,
 )
@@ -63,27 +64,31 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         await close_all(opened)
         raise
     await close_all(opened)
-    choices = []
-    for prompt_index, output in enumerate(finals):
-        for completion in output.outputs:
-            text = completion.text
-            prompt_text = output.prompt or decode_text(tokenizer, output.prompt_token_ids)
-            logprobs = None
-            if body.logprobs is not None:
-                echoed = None
+
+    def build() -> JSONResponse:
+        choices = []
+        for prompt_index, output in enumerate(finals):
+            for completion in output.outputs:
+                text = completion.text
+                prompt_text = output.prompt or decode_text(tokenizer, output.prompt_token_ids)
+                logprobs = None
+                if body.logprobs is not None:
+                    echoed = None
+                    if body.echo:
+                        echoed = (output.prompt_token_ids, list(output.prompt_logprobs or []))
+                    logprobs = completion_logprobs(completion, 0, echoed, tokenizer)
                 if body.echo:
-                    echoed = (output.prompt_token_ids, list(output.prompt_logprobs or []))
-                logprobs = completion_logprobs(completion, 0, echoed, tokenizer)
-            if body.echo:
-                text = prompt_text + text
-            choices.append(CompletionChoice(
-                index=prompt_index * body.n + completion.index, text=text,
-                logprobs=logprobs, finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-                prompt_logprobs=prompt_logprobs(body, output)))
-    return JSONResponse(CompletionResponse(
-        id=request_id, created=created, model=model, choices=choices,
-        usage=usage(finals)).model_dump())
+                    text = prompt_text + text
+                choices.append(CompletionChoice(
+                    index=prompt_index * body.n + completion.index, text=text,
+                    logprobs=logprobs, finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                    prompt_logprobs=prompt_logprobs(body, output)))
+        return JSONResponse(CompletionResponse(
+            id=request_id, created=created, model=model, choices=choices,
+            usage=usage(finals)).model_dump())
+
+    return await reply(build, finals)
 
 
 def _prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:

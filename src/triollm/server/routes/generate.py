@@ -9,7 +9,14 @@ from fastapi.responses import JSONResponse, Response
 from triollm.errors import EngineClosedError
 from triollm.sampling_params import SamplingParams
 from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
-from triollm.server.generation import close_all, first_output
+from triollm.server.generation import (
+    check_limits,
+    close_all,
+    engine_request_id,
+    first_output,
+    tokenized,
+)
+from triollm.server.limits import MAX_N
 from triollm.server.protocol import GenerateRequest, random_id
 from triollm.server.state import server_state
 from triollm.server.streaming import NullDelimitedStream
@@ -25,14 +32,21 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     if state.shutting_down:
         raise engine_unavailable(EngineClosedError("shutting down"))
     extra = dict(body.model_extra or {})
+    if "output_kind" in extra:
+        raise OpenAIError(400, "output_kind: chosen by the server (texts so far)",
+                          param="output_kind")
     try:
         params = SamplingParams(**extra)
     except TypeError as error:
         raise OpenAIError(400, f"unknown sampling parameter: {error}") from error
     except ValueError as error:
         raise bad_request(error) from error
-    request_id = random_id("generate")
-    stream = state.engine.generate(body.prompt, params, request_id)
+    if params.n > MAX_N:
+        raise OpenAIError(400, f"n: at most {MAX_N}, got {params.n}", param="n")
+    prompt = tokenized(state, body.prompt, None)
+    check_limits(state, prompt, params)
+    stream = state.engine.generate(prompt, params,
+                                   engine_request_id(random_id("generate")))
     try:
         first = await first_output(stream)
         if body.stream:

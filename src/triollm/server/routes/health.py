@@ -23,6 +23,13 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
+@router.get("/ping", operation_id="ping_get")
+@router.post("/ping", operation_id="ping_post")
+async def ping(request: Request) -> Response:
+    """SageMaker's health check: the same answer as ``/health``."""
+    return await health(request)
+
+
 @router.get("/version")
 async def version() -> dict[str, str]:
     return {"version": triollm.__version__}

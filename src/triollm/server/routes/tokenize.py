@@ -6,7 +6,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from triollm.engine.detokenizer import decode_text
-from triollm.server.errors import OpenAIError
+from triollm.sampling_params import check_text
+from triollm.server.errors import OpenAIError, bad_request
 from triollm.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -26,9 +27,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
     if body.messages is not None:
-        tokens = state.render_chat(body.messages, None, body.add_generation_prompt,
-                                   body.tools)
+        tokens = state.render_chat_or_400(body.messages, None, body.add_generation_prompt,
+                                          body.tools)
     elif body.prompt is not None:
+        try:
+            check_text("prompt", body.prompt)
+        except ValueError as error:
+            raise bad_request(error) from error
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         raise OpenAIError(400, "prompt: give a prompt or messages", param="prompt")

@@ -1,0 +1,15 @@
+"""What one request may ask of the server (docs/serving.md lists them with what
+exceeding each returns). Plain numbers, so the CLI can show them without loading the
+server."""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_MAX_LOGPROB_ENTRIES", "DEFAULT_MAX_REQUEST_BODY_BYTES", "MAX_N"]
+
+#: OpenAI's own limit on ``n`` (choices per prompt).
+MAX_N = 128
+#: Larger request bodies get 413 (``--max-request-body-bytes``).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+#: The most (token, logprob) entries one reply may carry, about 30 MiB of JSON
+#: (``--max-logprob-entries``): n x tokens x (logprobs + 1), echoed prompts included.
+DEFAULT_MAX_LOGPROB_ENTRIES = 2**20
