@@ -186,9 +186,16 @@ async def final_outputs(submitted: list[Submitted]) -> list[RequestOutput]:
         async for output in outputs(item):
             finals[item.index] = output
 
-    async with anyio.create_task_group() as tasks:
-        for item in submitted:
-            tasks.start_soon(drain, item)
+    try:
+        async with anyio.create_task_group() as tasks:
+            for item in submitted:
+                tasks.start_soon(drain, item)
+    except BaseExceptionGroup as group:
+        # The engine died or shut down under the request: a 503, as before it started.
+        stopped, _ = group.split((EngineDeadError, EngineClosedError))
+        if stopped is None or len(stopped.exceptions) != len(group.exceptions):
+            raise
+        raise engine_unavailable(stopped.exceptions[0]) from group
     return [f for f in finals if f is not None]
 
 

@@ -8,9 +8,15 @@
     └── signal watcher                SIGINT / SIGTERM → graceful shutdown
 
 * SIGINT/SIGTERM (or ``ServerHandle.shutdown()``): stop accepting connections, let the
-  requests in flight finish for up to ``shutdown_grace`` seconds, then cancel what is
-  left (their clients get an error event, their requests are aborted) and stop the
-  engine. ``serve`` returns normally: exit status 0.
+  requests in flight finish for up to ``shutdown_grace`` seconds. Then stop the engine:
+  every stream still open ends with an error event and ``[DONE]``, every other request
+  with a 503. After at most ``FINAL_WORDS_SECONDS`` for those to go out, cancel
+  everything left. ``serve`` returns normally: exit status 0.
+* Where the server owns its process (``owns_process``, as ``triollm serve``): a second
+  stop signal ends the process at once, and so does a connection still stuck
+  ``STUCK_EXIT_SECONDS`` after that cancellation. (hypercorn writes to a socket under a
+  shielded cancel scope, so a client that never reads would otherwise keep the process
+  alive for as long as it stays connected.)
 * The engine dies: every open stream gets a final error event (the engine delivers the
   error before anything is cancelled), ``/health`` answers 503, and after
   ``engine_death_grace`` seconds for those events to go out, the engine's exception
@@ -19,9 +25,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
 import signal
+import threading
 from dataclasses import dataclass, field
 
 import anyio
@@ -39,6 +48,12 @@ from triollm.server.state import CorsSettings, ServerSettings, ServerState
 __all__ = ["CorsSettings", "ServerHandle", "ServerOptions", "run_server"]
 
 logger = logging.getLogger(__name__)
+
+#: After the grace, how long streams get to write their final error event and [DONE].
+FINAL_WORDS_SECONDS = 1.0
+#: After everything is cancelled, how long a connection may stay stuck before a process
+#: the server owns exits anyway.
+STUCK_EXIT_SECONDS = 2.0
 
 
 @dataclass
@@ -59,6 +74,9 @@ class ServerOptions:
     handle_signals: bool = True
     #: Seconds between engine statistics log lines (vLLM: 10); None turns them off.
     log_stats_interval: float | None = 10.0
+    #: The server may end its process: on a second stop signal, or when connections are
+    #: still stuck after the shutdown (``triollm serve``; never for an embedded server).
+    owns_process: bool = False
 
 
 @dataclass
@@ -97,31 +115,36 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
     config.bind = [f"{_bracket(options.host)}:{options.port}"]
     config.keyfile = options.ssl_keyfile
     config.certfile = options.ssl_certfile
-    config.graceful_timeout = options.shutdown_grace
+    # hypercorn cancels its handlers at its own deadline: keep it past ours, so that
+    # streams still open at the end of the grace get to write their last events.
+    config.graceful_timeout = options.shutdown_grace + FINAL_WORDS_SECONDS + 1.0
     config.loglevel = options.log_level.upper()
     config.accesslog = None
 
     stop_serving = trio.Event()
+    engine_scope = trio.CancelScope()
     async with trio.open_nursery() as root:
-        await root.start(_run_engine, engine, state, options)
+        await root.start(_run_engine, engine, state, options, engine_scope)
         urls = await root.start(lambda task_status: hypercorn_serve(
             app, config, shutdown_trigger=stop_serving.wait,  # type: ignore[arg-type]
             task_status=task_status))
         handle = ServerHandle(urls=list(urls), engine=engine, state=state)
         if options.handle_signals:
-            root.start_soon(_watch_signals, handle)
-        root.start_soon(_shutdown_when_asked, handle, state, stop_serving, root.cancel_scope,
-                        options.shutdown_grace)
+            root.start_soon(_watch_signals, handle, options.owns_process)
+        root.start_soon(_shutdown_when_asked, handle, state, stop_serving, engine_scope,
+                        root.cancel_scope, options)
         if options.log_stats_interval is not None:
             root.start_soon(_log_stats, engine, options.log_stats_interval)
         logger.info("triollm serving %s at %s", ", ".join(names), ", ".join(handle.urls))
         task_status.started(handle)
 
 
-async def _run_engine(engine: AsyncLLMEngine, state: ServerState, options: ServerOptions, *,
+async def _run_engine(engine: AsyncLLMEngine, state: ServerState, options: ServerOptions,
+                      engine_scope: trio.CancelScope, *,
                       task_status: anyio.abc.TaskStatus[None]) -> None:
     try:
-        await engine.run(task_status=task_status)
+        with engine_scope:  # cancelled when a shutdown's grace is over
+            await engine.run(task_status=task_status)
     except Exception:
         # Every stream already holds its EngineDeadError. For a short grace the server
         # keeps answering (handlers send their error events, /health says 503), then the
@@ -135,16 +158,41 @@ async def _run_engine(engine: AsyncLLMEngine, state: ServerState, options: Serve
 
 
 async def _shutdown_when_asked(handle: ServerHandle, state: ServerState,
-                               stop_serving: trio.Event, root_scope: trio.CancelScope,
-                               grace: float) -> None:
+                               stop_serving: trio.Event, engine_scope: trio.CancelScope,
+                               root_scope: trio.CancelScope, options: ServerOptions) -> None:
     await handle._stop.wait()
+    grace = options.shutdown_grace
     logger.info("shutting down: no new connections; waiting up to %.0f s for %d "
                 "request(s)", grace, state.open_requests)
     state.shutting_down = True
     stop_serving.set()
     with anyio.move_on_after(grace if math.isfinite(grace) else None):
         await state.wait_idle()
+    if state.open_requests:
+        # Stopping the engine ends every open stream with EngineClosedError: a stream
+        # writes its error event and [DONE], any other request answers 503.
+        logger.warning("the grace is over: ending %d request(s)", state.open_requests)
+        engine_scope.cancel()
+        with anyio.move_on_after(FINAL_WORDS_SECONDS):
+            await state.wait_idle()
+    if state.open_requests and options.owns_process:
+        _exit_if_still_running_after(STUCK_EXIT_SECONDS, state)
     root_scope.cancel()  # hypercorn has stopped listening; this ends the rest
+
+
+def _exit_if_still_running_after(seconds: float, state: ServerState) -> None:
+    """A daemon thread that ends the process if it is still running in ``seconds``: a
+    connection whose client stopped reading can hold a handler inside hypercorn's
+    shielded write, beyond any cancellation."""
+    def exit_now() -> None:
+        logger.warning("%d connection(s) still stuck %.0f s after the shutdown (clients "
+                       "that stopped reading); exiting", state.open_requests, seconds)
+        logging.shutdown()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, exit_now)
+    timer.daemon = True
+    timer.start()
 
 
 async def _log_stats(engine: AsyncLLMEngine, interval: float) -> None:
@@ -153,10 +201,18 @@ async def _log_stats(engine: AsyncLLMEngine, interval: float) -> None:
         await engine.do_log_stats()
 
 
-async def _watch_signals(handle: ServerHandle) -> None:
+async def _watch_signals(handle: ServerHandle, owns_process: bool) -> None:
+    """The first SIGINT/SIGTERM starts a graceful shutdown; a second one, where the
+    server owns its process, ends it at once (128 + the signal's number, as a shell
+    reports a process killed by it)."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            logger.info("received %s", signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            if handle._stop.is_set() and owns_process:
+                logger.warning("received %s again: exiting now", name)
+                logging.shutdown()
+                os._exit(128 + signum)
+            logger.info("received %s", name)
             handle.shutdown()
 
 
@@ -165,9 +221,10 @@ def _bracket(host: str) -> str:
 
 
 def serve_blocking(engine: AsyncLLMEngine, options: ServerOptions) -> int:
-    """Run the server under trio until it stops; the exit status."""
+    """Run the server under trio until it stops, as the owner of this process; the exit
+    status."""
     try:
-        trio.run(run_server, engine, options)
+        trio.run(run_server, engine, dataclasses.replace(options, owns_process=True))
     except KeyboardInterrupt:
         return 0
     except BaseException as error:
