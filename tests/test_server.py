@@ -4,6 +4,7 @@ official ``openai`` client (sync, and async under trio and asyncio) and raw HTTP
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -738,3 +739,25 @@ async def test_cors_restricted_to_the_allowed_origins() -> None:
                                    headers={"Origin": "https://evil.example"})
         assert response.status_code == 200  # CORS is the browser's check, not the server's
         assert "access-control-allow-origin" not in response.headers
+
+
+def test_a_bug_in_a_route_is_a_logged_openai_500_and_the_server_carries_on(
+        server: ThreadedServer, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from triollm.server.routes import tokenize
+
+    def broken(*args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("a bug in a route")
+
+    monkeypatch.setattr(tokenize, "decode_text", broken)
+    with caplog.at_level(logging.ERROR, logger="triollm.server.errors"):
+        response = httpx.post(server.url + "/detokenize", json={"tokens": [5]},
+                              headers={**AUTH, "X-Request-Id": "r-9"})
+        assert_openai_error(response, 500)
+        # Logged by the server's thread once the 500 has gone out.
+        deadline = time.monotonic() + 10
+        while "a bug in a route" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert "a bug in a route" in caplog.text and "X-Request-Id r-9" in caplog.text
+    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=3
+                                     ).choices[0].text is not None

@@ -8,6 +8,7 @@ raised as ``OpenAIError`` by the routes, written directly by the ASGI layer for 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,8 @@ from triollm.errors import EngineDeadError
 
 __all__ = ["OpenAIError", "add_error_handlers", "bad_request", "engine_unavailable",
            "error_json", "stream_error_event"]
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIError(Exception):
@@ -109,7 +112,19 @@ async def _http_error(request: Request, error: Exception) -> JSONResponse:
     return response
 
 
+async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+    """A bug's 500, in OpenAI's shape, logged with its traceback and the request's id.
+    (Starlette calls this for any exception a route raises, also once a stream has
+    started, when only the log is left to do.)"""
+    request_id = request.headers.get("x-request-id", "-")
+    logger.error("%s %s (X-Request-Id %s) failed", request.method, request.url.path,
+                 request_id, exc_info=error)
+    return OpenAIError(500, f"Internal server error: {type(error).__name__}",
+                       type="InternalServerError").response()
+
+
 def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)

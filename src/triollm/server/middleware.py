@@ -5,9 +5,9 @@ reads the whole body (413 over the limit), hands it to the app, and meanwhile wa
 for ``http.disconnect``: a client that goes away cancels the request's scope, so
 ``engine.generate`` aborts the request within one engine step, streaming or not.
 (Hypercorn drops sends after a close silently and does not cancel handlers, so nothing
-else would notice.) An exception no route turned into a response is logged with its
-traceback and answered with a 500 in OpenAI's shape. It also counts open requests for
-a graceful shutdown.
+else would notice.) A route's exception is a logged 500 in OpenAI's shape (errors.py);
+one that escapes the app before any response started gets the same here. It also
+counts open requests for a graceful shutdown.
 """
 
 from __future__ import annotations
@@ -110,14 +110,14 @@ class RequestLifetime:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as error:
+            if started:
+                return  # the app's own 500 handler answered and logged it (errors.py)
             headers = dict(scope.get("headers") or [])
             request_id = headers.get(b"x-request-id", b"").decode("latin-1") or "-"
             logger.error("%s %s (X-Request-Id %s) failed", scope.get("method"),
                          scope.get("path"), request_id, exc_info=error)
-            if not started:
-                await send_json(send, 500, error_json(
-                    500, f"Internal server error: {type(error).__name__}",
-                    "InternalServerError"))
+            await send_json(send, 500, error_json(
+                500, f"Internal server error: {type(error).__name__}", "InternalServerError"))
 
     def _authorized(self, scope: Scope) -> bool:
         key = self.state.settings.api_key

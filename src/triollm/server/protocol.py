@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from triollm.sampling_params import RequestOutputKind, SamplingParams
+from triollm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 from triollm.server.limits import MAX_N
 
 __all__ = [
@@ -59,7 +59,7 @@ class _SamplingRequest(BaseModel):
     top_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
