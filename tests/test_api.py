@@ -12,8 +12,8 @@ def test_exports_are_exactly_the_public_api() -> None:
     assert sorted(triollm.__all__) == sorted([
         "LLM", "AsyncEngineArgs", "AsyncLLMEngine", "CompletionOutput", "EngineArgs",
         "EngineClosedError", "EngineDeadError", "EngineError", "EngineStatistics", "Logprob",
-        "ModelRunner", "PoolingParams", "RequestMetrics", "RequestOutput", "RequestOutputKind",
-        "RunnerOutput", "SamplingParams", "TextPrompt", "TokensPrompt",
+        "ModelRunner", "PoolingParams", "RequestFailedError", "RequestMetrics", "RequestOutput",
+        "RequestOutputKind", "RunnerOutput", "SamplingParams", "TextPrompt", "TokensPrompt",
     ])
     for name in triollm.__all__:
         assert getattr(triollm, name) is not None

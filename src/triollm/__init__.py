@@ -6,7 +6,7 @@ from triollm.engine.args import AsyncEngineArgs, EngineArgs
 from triollm.engine.async_engine import AsyncLLMEngine
 from triollm.engine.inputs import TextPrompt, TokensPrompt
 from triollm.engine.stats import EngineStatistics
-from triollm.errors import EngineClosedError, EngineDeadError, EngineError
+from triollm.errors import EngineClosedError, EngineDeadError, EngineError, RequestFailedError
 from triollm.llm import LLM
 from triollm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from triollm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
@@ -25,6 +25,7 @@ __all__ = [
     "Logprob",
     "ModelRunner",
     "PoolingParams",
+    "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",

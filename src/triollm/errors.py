@@ -8,13 +8,16 @@ Exception
 └── RuntimeError
     └── EngineError                base of the async engine's errors
         ├── EngineDeadError        a step failed; __cause__ is the original exception
-        └── EngineClosedError      the engine shut down before the request finished
+        ├── EngineClosedError      the engine shut down before the request finished
+        └── RequestFailedError     this request's own part of a step failed; the engine
+                                   and every other request carry on
 ```
 """
 
 from __future__ import annotations
 
-__all__ = ["EngineClosedError", "EngineDeadError", "EngineError", "UnsupportedModelError"]
+__all__ = ["EngineClosedError", "EngineDeadError", "EngineError", "RequestFailedError",
+           "UnsupportedModelError"]
 
 
 class UnsupportedModelError(ValueError):
@@ -34,3 +37,9 @@ class EngineDeadError(EngineError):
 class EngineClosedError(EngineError):
     """The engine shut down (its block was left or its scope cancelled) before this
     request finished, or a request was made to an engine that is not running."""
+
+
+class RequestFailedError(EngineError):
+    """This request's own part of a step failed (its sampling, its logprobs, its
+    detokenization). The request ends with this error; the engine and every other
+    request carry on. Only a failure of the batch forward kills the engine."""

@@ -13,6 +13,7 @@ from triollm.config import DEMO_MODEL_NAME
 from triollm.engine.args import EngineArgs
 from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType, TokensPrompt, render_chat
+from triollm.errors import RequestFailedError
 from triollm.outputs import RequestOutput
 from triollm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -118,7 +119,11 @@ class LLM:
         generated = 0
         try:
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                outputs = engine.step()
+                for failure in engine.take_failures():
+                    raise RequestFailedError(f"request {failure.request_id!r} failed: "
+                                             f"{failure.error}")
+                for output in outputs:
                     if output.finished:
                         results[output.request_id] = output
                         generated += sum(len(c.token_ids) for c in output.outputs)

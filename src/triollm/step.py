@@ -79,6 +79,9 @@ class RunnerOutput:
     #: next prompt token was scored in this step, in order (the chosen token is that
     #: next prompt token).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    #: Requests whose own part of the step failed (their sampling state, sampling or
+    #: logprobs), with what went wrong: the engine fails those requests alone.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from triollm.step import RunnerOutput, SchedulerOutput, TokenLogprobs
+from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -62,7 +62,8 @@ class FakeModelRunner:
 
     ``step_delay`` seconds of ``time.sleep`` per step imitate model time (it runs in the
     engine's worker thread, so sleeping there is realistic). ``fail_at_step`` raises
-    ``RuntimeError`` from that step (0-based), or ``fail_when`` decides per step.
+    ``RuntimeError`` from that step (0-based), or ``fail_when`` decides per step;
+    ``fail_request_when`` fails one request's part of a step (``RunnerOutput.failed``).
     """
 
     def __init__(
@@ -73,12 +74,14 @@ class FakeModelRunner:
         step_delay: float = 0.0,
         fail_at_step: int | None = None,
         fail_when: Callable[[SchedulerOutput], bool] | None = None,
+        fail_request_when: Callable[[ScheduledRequest], bool] | None = None,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.vocab_size = vocab_size
         self.step_delay = step_delay
         self.fail_at_step = fail_at_step
         self.fail_when = fail_when
+        self.fail_request_when = fail_request_when
         self.num_steps = 0
         self.computed: list[SchedulerOutput] = []
         self.thread_ids: set[int] = set()
@@ -95,6 +98,9 @@ class FakeModelRunner:
         self.computed.append(scheduler_output)
         output = RunnerOutput()
         for item in scheduler_output.scheduled:
+            if self.fail_request_when is not None and self.fail_request_when(item):
+                output.failed[item.request_id] = "fake failure of this request"
+                continue
             if item.wants_prompt_logprobs:
                 prompt = item.prompt_token_ids
                 last = min(item.start_position + item.num_tokens, len(prompt) - 1)

@@ -26,7 +26,7 @@ from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType
 from triollm.engine.stats import EngineStatistics, StatLogger
 from triollm.engine.worker import ModelWorker, open_model_worker
-from triollm.errors import EngineClosedError, EngineDeadError
+from triollm.errors import EngineClosedError, EngineDeadError, RequestFailedError
 from triollm.outputs import RequestOutput
 from triollm.sampling_params import PoolingParams, SamplingParams
 
@@ -215,6 +215,10 @@ class AsyncLLMEngine:
             self._num_steps += 1
             for output in core.process(scheduler_output, runner_output):
                 self._deliver(output)
+            for failure in core.take_failures():
+                logger.error("request %s failed: %s", failure.request_id, failure.error)
+                self._channels.fail(failure.request_id, failure.engine_id, RequestFailedError(
+                    f"request {failure.request_id!r} failed: {failure.error}"))
             self._record_stats()
             await anyio.lowlevel.checkpoint()
 

@@ -310,6 +310,14 @@ class RequestChannels:
                 channel.put(output)
             channel.close()
 
+    def fail(self, request_id: str, engine_id: str, error: BaseException) -> None:
+        """End the open stream of one request (if it is still that request's) with
+        ``error``."""
+        channel = self._channels.get(request_id)
+        if channel is not None and channel.engine_id == engine_id:
+            del self._channels[request_id]
+            channel.fail(error)
+
     def get(self, request_id: str) -> RequestChannel | None:
         return self._channels.get(request_id)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from triollm.config import EngineConfig
 from triollm.engine.block_manager import BlockManager
@@ -27,9 +28,18 @@ from triollm.engine.scheduler import Scheduler, SchedulerStatistics
 from triollm.engine.stats import FinishedRequestStats, IterationStats
 from triollm.outputs import RequestOutput
 from triollm.sampling_params import SamplingParams
-from triollm.step import ModelRunner, RunnerOutput, SchedulerOutput
+from triollm.step import ModelRunner, RunnerOutput, ScheduledRequest, SchedulerOutput
 
-__all__ = ["EngineCore"]
+__all__ = ["EngineCore", "RequestFailure"]
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request whose own part of a step failed: it has ended, without an output."""
+
+    request_id: str
+    engine_id: str
+    error: str
 
 
 class EngineCore:
@@ -61,6 +71,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._parent_of: dict[str, ParentRequest] = {}
         self._sequence_numbers = itertools.count()
+        self._failures: list[RequestFailure] = []
         #: Gather ``IterationStats`` for ``take_stats()`` (off unless someone takes them,
         #: so an offline run does not accumulate per-token latencies).
         self.collect_stats = False
@@ -220,35 +231,31 @@ class EngineCore:
             scheduler_output, now - (self._step_started if started is None else started))
         touched: dict[str, ParentRequest] = {}
         finished: dict[RequestStatus, list[str]] = {}
+        failed: dict[str, tuple[ParentRequest, str]] = {}
         for item in scheduler_output.scheduled:
             request = self._requests.get(item.request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
-            prompt_lps = runner_output.prompt_logprobs.get(item.request_id)
-            if prompt_lps:
-                self.output_processor.append_prompt_logprobs(
-                    request, prompt_lps, first_position=item.start_position + 1)
-            token = runner_output.sampled_token_ids.get(item.request_id)
-            if token is None:
+            parent = self._parent_of[request.request_id]
+            error = runner_output.failed.get(item.request_id)
+            if error is None:
+                try:
+                    sampled, status = self._apply(item, request, runner_output, now)
+                except Exception as exception:  # detokenizing or logprobs of this request
+                    error = f"output processing: {exception!r}"
+            if error is not None:
+                failed.setdefault(parent.engine_id, (parent, error))
                 continue
-            request.append_output_token(token)
-            metrics = request.metrics
-            if self.collect_stats:
-                self._record_token(request, now)
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-            token_lp = runner_output.logprobs.get(item.request_id)
-            if token_lp is not None:
-                self.output_processor.append_logprobs(request, token_lp)
-            status = self.output_processor.check_stop(request, token)
             if status is not None:
                 self._finish(request, status, now)  # the scheduler frees it below
                 finished.setdefault(status, []).append(request.request_id)
-            parent = self._parent_of[request.request_id]
-            touched[parent.engine_id] = parent
+            if sampled:
+                touched[parent.engine_id] = parent
         for status, ids in finished.items():
             self.scheduler.finish_requests(ids, status)
+        for engine_id, (parent, error) in failed.items():
+            touched.pop(engine_id, None)
+            self._fail(parent, error, now)
 
         outputs = []
         for parent in touched.values():
@@ -260,6 +267,45 @@ class EngineCore:
                 self._forget(parent)
         self._previous_step_end = now if self.scheduler.has_unfinished_requests() else None
         return outputs
+
+    def _apply(self, item: ScheduledRequest, request: Request, runner_output: RunnerOutput,
+               now: float) -> tuple[bool, RequestStatus | None]:
+        """One request's share of the step's results: whether it got a token, and the
+        status that token ends it with (if any)."""
+        prompt_lps = runner_output.prompt_logprobs.get(item.request_id)
+        if prompt_lps:
+            self.output_processor.append_prompt_logprobs(
+                request, prompt_lps, first_position=item.start_position + 1)
+        token = runner_output.sampled_token_ids.get(item.request_id)
+        if token is None:
+            return False, None
+        request.append_output_token(token)
+        metrics = request.metrics
+        if self.collect_stats:
+            self._record_token(request, now)
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        token_lp = runner_output.logprobs.get(item.request_id)
+        if token_lp is not None:
+            self.output_processor.append_logprobs(request, token_lp)
+        return True, self.output_processor.check_stop(request, token)
+
+    def _fail(self, parent: ParentRequest, error: str, now: float) -> None:
+        """End a request whose own part of a step failed; its caller learns why from
+        ``take_failures``. The engine and every other request carry on."""
+        running = [child for child in parent.children if not child.is_finished]
+        self.scheduler.finish_requests([c.request_id for c in running],
+                                       RequestStatus.FINISHED_ABORTED)
+        for child in running:
+            self._finish(child, RequestStatus.FINISHED_ABORTED, now)
+        self._forget(parent)
+        self._failures.append(RequestFailure(parent.request_id, parent.engine_id, error))
+
+    def take_failures(self) -> list[RequestFailure]:
+        """The requests that failed since the last call (and start afresh)."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def _forget(self, parent: ParentRequest) -> None:
         self._parents.pop(parent.engine_id, None)

@@ -199,9 +199,17 @@ class TorchModelRunner:
         # length sit next to each other and can share one padded attention call.
         items = sorted(scheduler_output.scheduled,
                        key=lambda item: (item.num_tokens != 1, -item.start_position))
+        failed: dict[str, str] = {}
         for item in items:
             if item.request_id not in self._requests:
-                self._requests[item.request_id] = self._new_state(item)
+                try:
+                    self._requests[item.request_id] = self._new_state(item)
+                except Exception as error:  # this request's own state: it fails alone
+                    failed[item.request_id] = f"sampling state: {error!r}"
+        if failed:
+            items = [item for item in items if item.request_id not in failed]
+            if not items:
+                return RunnerOutput(failed=failed)
 
         metadata, input_ids, positions, keep, keep_owner = self._prepare(items)
         logits = self.model(
@@ -211,7 +219,9 @@ class TorchModelRunner:
             logits_to_keep=keep,
             triollm_metadata=metadata,
         ).logits[0]
-        return self._sample(items, logits, keep_owner)
+        output = self._sample(items, logits, keep_owner)
+        output.failed.update(failed)
+        return output
 
     def _new_state(self, item: ScheduledRequest) -> _RequestState:
         generator = None
@@ -306,8 +316,8 @@ class TorchModelRunner:
                 for i in sample_items
             ]
             row_index = torch.tensor([last_row[i] for i in sample_items], device=logits.device)
-            tokens, logprobs = sample(logits[row_index], rows, self.generator)
-            for i, token, token_lp in zip(sample_items, tokens, logprobs, strict=True):
+            for i, (token, token_lp) in self._sample_rows(
+                    logits[row_index], rows, sample_items, items, output).items():
                 request_id = items[i].request_id
                 self._requests[request_id].output_token_ids.append(token)
                 output.sampled_token_ids[request_id] = token
@@ -315,10 +325,34 @@ class TorchModelRunner:
                     output.logprobs[request_id] = token_lp
 
         for i, item in enumerate(items):
-            if item.wants_prompt_logprobs:
-                output.prompt_logprobs[item.request_id] = self._prompt_logprobs(
-                    item, logits[first_row[i]: last_row[i] + 1])
+            if item.wants_prompt_logprobs and item.request_id not in output.failed:
+                try:
+                    output.prompt_logprobs[item.request_id] = self._prompt_logprobs(
+                        item, logits[first_row[i]: last_row[i] + 1])
+                except Exception as error:
+                    output.failed[item.request_id] = f"prompt logprobs: {error!r}"
         return output
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow],
+                     sample_items: list[int], items: list[ScheduledRequest],
+                     output: RunnerOutput) -> dict[int, tuple[int, TokenLogprobs | None]]:
+        """Sample every row at once; if that raises, row by row, so that a row whose
+        own parameters or state break sampling fails alone (in ``output.failed``)."""
+        try:
+            tokens, logprobs = sample(logits, rows, self.generator)
+            return dict(zip(sample_items, zip(tokens, logprobs, strict=True), strict=True))
+        except Exception:
+            logger.warning("batched sampling failed; sampling row by row", exc_info=True)
+        sampled = {}
+        for row_index, (i, row) in enumerate(zip(sample_items, rows, strict=True)):
+            try:
+                [token], [token_lp] = sample(logits[row_index:row_index + 1], [row],
+                                             self.generator)
+            except Exception as error:
+                output.failed[items[i].request_id] = f"sampling: {error!r}"
+                continue
+            sampled[i] = (token, token_lp)
+        return sampled
 
     def _prompt_logprobs(self, item: ScheduledRequest,
                          chunk_logits: torch.Tensor) -> list[TokenLogprobs]:

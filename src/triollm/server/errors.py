@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from triollm.errors import EngineDeadError
+from triollm.errors import EngineDeadError, RequestFailedError
 
 __all__ = ["OpenAIError", "add_error_handlers", "bad_request", "engine_unavailable",
            "error_json", "stream_error_event"]
@@ -52,6 +52,10 @@ def bad_request(error: ValueError) -> OpenAIError:
 
 
 def engine_unavailable(error: BaseException) -> OpenAIError:
+    """The answer to a request the engine could not serve: 500 when its own part of a
+    step failed, 503 when the engine is dead or shutting down."""
+    if isinstance(error, RequestFailedError):
+        return OpenAIError(500, str(error), type="RequestFailedError")
     if isinstance(error, EngineDeadError):
         return OpenAIError(503, f"The engine is dead: {error}", type="EngineDeadError")
     return OpenAIError(503, "The server is shutting down.", type="ServiceUnavailableError")
@@ -62,7 +66,10 @@ def error_json(status: int, message: str, type: str) -> bytes:
 
 
 def stream_error_event(error: BaseException) -> dict[str, Any]:
-    """The last event of a stream whose engine died or shut down."""
+    """The last event of a stream whose request failed, or whose engine died or shut
+    down."""
+    if isinstance(error, RequestFailedError):
+        return OpenAIError(500, str(error), type="RequestFailedError").body()
     if isinstance(error, EngineDeadError):
         return OpenAIError(500, f"The engine died while generating: {error}",
                            type="EngineDeadError").body()

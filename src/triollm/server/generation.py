@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from triollm.engine.inputs import PromptType, TokensPrompt
-from triollm.errors import EngineClosedError, EngineDeadError
+from triollm.errors import EngineClosedError, EngineError
 from triollm.outputs import RequestOutput
 from triollm.sampling_params import SamplingParams, check_text
 from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
@@ -157,7 +157,7 @@ async def first_output(stream: EngineStream) -> RequestOutput:
         return await anext(stream)
     except ValueError as error:
         raise bad_request(error) from error
-    except (EngineDeadError, EngineClosedError) as error:
+    except EngineError as error:
         raise engine_unavailable(error) from error
     except StopAsyncIteration:
         raise engine_unavailable(EngineClosedError("ended early")) from None
@@ -191,8 +191,9 @@ async def final_outputs(submitted: list[Submitted]) -> list[RequestOutput]:
             for item in submitted:
                 tasks.start_soon(drain, item)
     except BaseExceptionGroup as group:
-        # The engine died or shut down under the request: a 503, as before it started.
-        stopped, _ = group.split((EngineDeadError, EngineClosedError))
+        # The request failed, or the engine died or shut down under it: as before it
+        # started (500 or 503).
+        stopped, _ = group.split(EngineError)
         if stopped is None or len(stopped.exceptions) != len(group.exceptions):
             raise
         raise engine_unavailable(stopped.exceptions[0]) from group

@@ -1,9 +1,9 @@
 """Streaming responses: OpenAI's server-sent events and the seed's NUL-delimited
 ``/generate`` stream.
 
-A stream's producers read engine outputs and ``emit`` events; ``run_stream`` turns an
-engine that dies or shuts down under them into a final error event, and always closes
-the engine streams (aborting what is unfinished).
+A stream's producers read engine outputs and ``emit`` events; ``run_stream`` turns a
+request that fails, or an engine that dies or shuts down, under them into a final error
+event, and always closes the engine streams (aborting what is unfinished).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 from fastapi.responses import Response
 
-from triollm.errors import EngineClosedError, EngineDeadError
+from triollm.errors import EngineError
 from triollm.outputs import RequestOutput
 from triollm.server.errors import stream_error_event
 from triollm.server.generation import EngineStream, close_all
@@ -65,11 +65,11 @@ async def run_stream(opened: list[EngineStream], emit: Emit,
                     tasks.start_soon(producer)
         except BaseExceptionGroup as group:
             failures = [e for e in group.exceptions
-                        if isinstance(e, EngineDeadError | EngineClosedError)]
+                        if isinstance(e, EngineError)]
             if not failures or len(failures) != len(group.exceptions):
                 raise
             await emit(stream_error_event(failures[0]))
-        except (EngineDeadError, EngineClosedError) as error:
+        except EngineError as error:
             await emit(stream_error_event(error))
     finally:
         await close_all(opened)
@@ -96,7 +96,7 @@ class NullDelimitedStream(Response):
                             "body": chunk.encode() + b"\0", "more_body": True})
                 try:
                     output = None if output.finished else await anext(self.stream, None)
-                except (EngineDeadError, EngineClosedError) as error:
+                except EngineError as error:
                     await send({"type": "http.response.body", "more_body": True,
                                 "body": json.dumps(stream_error_event(error)).encode() + b"\0"})
                     output = None
