@@ -9,20 +9,32 @@ event, and always closes the engine streams (aborting what is unfinished).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from typing import Any
 
 import anyio
 from fastapi.responses import Response
 
+from triollm.engine.inputs import PromptType
 from triollm.errors import EngineError
 from triollm.outputs import RequestOutput
+from triollm.sampling_params import SamplingParams
 from triollm.server.errors import stream_error_event
-from triollm.server.generation import EngineStream, close_all
+from triollm.server.generation import (
+    EngineStream,
+    Submitted,
+    close_all,
+    final_outputs,
+    reply,
+    submit,
+)
 from triollm.server.middleware import Receive, Scope, Send
+from triollm.server.protocol import ChatCompletionRequest, CompletionRequest
+from triollm.server.state import ServerState
 
-__all__ = ["Emit", "EventStream", "NullDelimitedStream", "StreamWriter", "run_stream"]
+__all__ = ["Emit", "EventStream", "NullDelimitedStream", "StreamWriter", "respond",
+           "run_stream"]
 
 #: Sends one ``data:`` event: a JSON object, or a string as is (``[DONE]``).
 Emit = Callable[[dict[str, Any] | str], Awaitable[None]]
@@ -101,3 +113,24 @@ class NullDelimitedStream(Response):
                                 "body": json.dumps(stream_error_event(error)).encode() + b"\0"})
                     output = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def respond(state: ServerState, prompts: Sequence[PromptType], params: SamplingParams,
+                  request_id: str, body: CompletionRequest | ChatCompletionRequest,
+                  stream: Callable[[list[Submitted], list[EngineStream]], StreamWriter],
+                  build: Callable[[list[RequestOutput]], Response]) -> Response:
+    """A generation request's response: every prompt submitted (bad input is a 400 before
+    anything is sent), then either a stream of events written by ``stream`` or, once
+    every prompt has finished, one reply made by ``build``. The engine streams are
+    closed whatever happens (what is unfinished is aborted)."""
+    opened: list[EngineStream] = []
+    try:
+        submitted = await submit(state, prompts, params, request_id, body, opened)
+        if body.stream:
+            return EventStream(stream(submitted, opened))
+        finals = await final_outputs(submitted)
+    except BaseException:
+        await close_all(opened)
+        raise
+    await close_all(opened)
+    return await reply(lambda: build(finals), finals)

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from triollm.outputs import RequestOutput
 from triollm.server.errors import bad_request
 from triollm.server.formatting import (
     chat_logprobs,
@@ -20,12 +21,8 @@ from triollm.server.formatting import (
 from triollm.server.generation import (
     EngineStream,
     Submitted,
-    close_all,
-    final_outputs,
     outputs,
-    reply,
     request_id_for,
-    submit,
 )
 from triollm.server.protocol import (
     ChatChoice,
@@ -38,7 +35,7 @@ from triollm.server.protocol import (
     UsageInfo,
 )
 from triollm.server.state import server_state
-from triollm.server.streaming import Emit, EventStream, StreamWriter, run_stream
+from triollm.server.streaming import Emit, StreamWriter, respond, run_stream
 
 __all__ = ["router"]
 
@@ -60,20 +57,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         raise bad_request(error) from error
     request_id = request_id_for(request, body, "chatcmpl")
     created = int(time.time())
-    opened: list[EngineStream] = []
-    try:
-        submitted = await submit(state, [{"prompt_token_ids": token_ids}], params,
-                                 request_id, body, opened)
-        if body.stream:
-            return EventStream(_stream_writer(
-                body, submitted[0], opened, request_id, created, model, top))
-        [final] = await final_outputs(submitted)
-    except BaseException:
-        await close_all(opened)
-        raise
-    await close_all(opened)
 
-    def build() -> JSONResponse:
+    def build(finals: list[RequestOutput]) -> JSONResponse:
+        [final] = finals
         choices = [ChatChoice(
             index=c.index, message=ChatMessageOut(content=c.text),
             logprobs=chat_logprobs(c, top) if body.logprobs else None,
@@ -82,7 +68,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             id=request_id, created=created, model=model, choices=choices,
             usage=usage([final]), prompt_logprobs=prompt_logprobs(body, final)).model_dump())
 
-    return await reply(build, [final])
+    def stream(submitted: list[Submitted], opened: list[EngineStream]) -> StreamWriter:
+        return _stream_writer(body, submitted[0], opened, request_id, created, model, top)
+
+    return await respond(state, [{"prompt_token_ids": token_ids}], params, request_id, body,
+                         stream, build)
 
 
 def _stream_writer(body: ChatCompletionRequest, item: Submitted, opened: list[EngineStream],

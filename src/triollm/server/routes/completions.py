@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from triollm.engine.detokenizer import decode_text
 from triollm.engine.inputs import PromptType
+from triollm.outputs import RequestOutput
 from triollm.server.errors import OpenAIError, bad_request
 from triollm.server.formatting import (
     completion_logprobs,
@@ -22,16 +23,12 @@ from triollm.server.formatting import (
 from triollm.server.generation import (
     EngineStream,
     Submitted,
-    close_all,
-    final_outputs,
     outputs,
-    reply,
     request_id_for,
-    submit,
 )
 from triollm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from triollm.server.state import ServerState, server_state
-from triollm.server.streaming import Emit, EventStream, StreamWriter, run_stream
+from triollm.server.streaming import Emit, StreamWriter, respond, run_stream
 
 __all__ = ["router"]
 
@@ -53,19 +50,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise bad_request(error) from error
     request_id = request_id_for(request, body, "cmpl")
     created = int(time.time())
-    opened: list[EngineStream] = []
-    try:
-        submitted = await submit(state, prompts, params, request_id, body, opened)
-        if body.stream:
-            return EventStream(_stream_writer(
-                state, body, submitted, opened, request_id, created, model))
-        finals = await final_outputs(submitted)
-    except BaseException:
-        await close_all(opened)
-        raise
-    await close_all(opened)
 
-    def build() -> JSONResponse:
+    def build(finals: list[RequestOutput]) -> JSONResponse:
         choices = []
         for prompt_index, output in enumerate(finals):
             for completion in output.outputs:
@@ -88,7 +74,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             id=request_id, created=created, model=model, choices=choices,
             usage=usage(finals)).model_dump())
 
-    return await reply(build, finals)
+    def stream(submitted: list[Submitted], opened: list[EngineStream]) -> StreamWriter:
+        return _stream_writer(state, body, submitted, opened, request_id, created, model)
+
+    return await respond(state, prompts, params, request_id, body, stream, build)
 
 
 def _prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
