@@ -73,8 +73,6 @@ def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None
             raise OpenAIError(400, "prompt: must not be empty", param="prompt")
         ready = TokensPrompt(prompt_token_ids=state.engine.tokenizer.encode(prompt),
                              prompt=prompt)
-    elif isinstance(prompt, list):
-        ready = TokensPrompt(prompt_token_ids=prompt)
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ready = TokensPrompt(prompt_token_ids=list(cast(TokensPrompt, prompt)["prompt_token_ids"]))
     else:
@@ -95,10 +93,10 @@ def logprob_entries(params: SamplingParams, prompt_len: int, max_new: int) -> in
     return entries
 
 
-def check_limits(state: ServerState, prompt: TokensPrompt, params: SamplingParams) -> int:
+def check_limits(state: ServerState, prompt: TokensPrompt, params: SamplingParams) -> None:
     """Refuse a prompt that, with its ``max_tokens``, exceeds the context, or a reply
     that would carry more logprob entries than the server allows (400s naming the
-    field); returns the logprob entries it may carry."""
+    field)."""
     max_model_len = state.engine.config.model.max_model_len
     prompt_len = len(prompt["prompt_token_ids"])
     if params.truncate_prompt_tokens is not None:
@@ -122,7 +120,6 @@ def check_limits(state: ServerState, prompt: TokensPrompt, params: SamplingParam
             400, f"logprobs: the reply could carry {entries} logprob entries (n x tokens x "
                  f"(logprobs + 1), prompt tokens included); this server allows {limit}. "
                  f"Ask for fewer choices, tokens or logprobs.", param="logprobs")
-    return entries
 
 
 async def submit(state: ServerState, prompts: Sequence[PromptType], params: SamplingParams,
