@@ -15,7 +15,7 @@ from transformers.pytorch_utils import Conv1D
 
 from triollm import LLM
 from triollm.model import packed_linear
-from triollm.model.packed_linear import PackedLinear, pack_linear_layers
+from triollm.model.packed_linear import PackedLinear, pack_linear_layers, padded_rows
 from triollm.testing import TINY_FAMILIES
 
 
@@ -52,6 +52,36 @@ def test_packed_model_gives_the_same_logits(family: str, dtype: torch.dtype,
         got = packed(ids).logits.float()
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_any_row_count_gives_the_plain_product(dtype: torch.dtype) -> None:
+    """Rows padded up to a cached size are computed and dropped: every row count, in
+    the batch shapes the runner uses, gives F.linear's result and shape."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, dtype=dtype, generator=generator)
+    bias = torch.randn(48, dtype=dtype, generator=generator)
+    layer = PackedLinear(weight, bias)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for rows in [1, 7, 32, 33, 34, 35, 63, 100, 257, 1000]:
+        for shape in [(rows, 40), (1, rows, 40)]:
+            x = torch.randn(*shape, dtype=dtype, generator=generator)
+            got = layer(x)
+            assert got.shape == (*shape[:-1], 48)
+            torch.testing.assert_close(got.float(), nn.functional.linear(x, weight, bias)
+                                       .float(), rtol=tolerance, atol=tolerance)
+
+
+def test_padded_row_counts_are_few_and_close() -> None:
+    """oneDNN caches one primitive per row count, so the counts the layers see are
+    bounded: at most 16 per doubling above 32, never more than 1/16 above the request."""
+    sizes = {padded_rows(rows) for rows in range(1, 8193)}
+    assert len(sizes) == 32 + 16 * 8
+    for rows in range(1, 8193):
+        padded = padded_rows(rows)
+        assert rows <= padded <= rows * 17 / 16
+        assert padded_rows(padded) == padded
+    assert all(padded_rows(rows) == rows for rows in range(1, 33))
 
 
 def test_tied_lm_head_keeps_the_embedding_weight(tiny_models: dict[str, Path]) -> None:
