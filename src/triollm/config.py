@@ -45,6 +45,8 @@ class ModelConfig:
     seed: int
     trust_remote_code: bool
     enforce_eager: bool
+    #: Intra-op threads on CPU; None: adapt to the cores other processes leave free.
+    cpu_threads: int | None
     #: The most logprobs (sample or prompt) one request may ask for; -1: the vocabulary.
     max_logprobs: int
     hf_config: PretrainedConfig = field(repr=False, compare=False)

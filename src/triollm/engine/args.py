@@ -117,6 +117,7 @@ class EngineArgs:
     kv_cache_space_gb: float = 4.0
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    cpu_threads: int | None = None
     max_logprobs: int = 20
     tensor_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
@@ -161,6 +162,7 @@ class EngineArgs:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             enforce_eager=self.enforce_eager,
+            cpu_threads=self.cpu_threads,
             max_logprobs=self.max_logprobs,
             hf_config=hf_config,
         )
@@ -189,7 +191,8 @@ class EngineArgs:
             raise _fail("model", "must be a non-empty model name or path")
         positive_int("block_size", self.block_size)
         positive_int("max_num_seqs", self.max_num_seqs)
-        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "cpu_threads"):
             value = getattr(self, name)
             if value is not None:
                 positive_int(name, value)

@@ -26,6 +26,7 @@ from triollm.model.attention import (
     ProfileRecorder,
     compiled_paged_decode_attention,
 )
+from triollm.model.cpu_threads import ComputeThreads
 from triollm.model.loader import load_model
 from triollm.model.packed_linear import pack_linear_layers
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
@@ -91,7 +92,9 @@ class TorchModelRunner:
             trust_remote_code=model_config.trust_remote_code,
         )
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.compute_threads: ComputeThreads | None = None
         if self.device.type == "cpu":
+            self.compute_threads = ComputeThreads(model_config.cpu_threads)
             packed = pack_linear_layers(self.model)
             logger.info("%d linear layers run on oneDNN-packed weights", packed)
         self.generator = torch.Generator(device=self.device)
@@ -195,6 +198,8 @@ class TorchModelRunner:
             self._requests.pop(request_id, None)
         if scheduler_output.is_empty:
             return RunnerOutput()
+        if self.compute_threads is not None:
+            self.compute_threads.adjust()
         # Single-token queries first, longest context first, so that decodes of similar
         # length sit next to each other and can share one padded attention call.
         items = sorted(scheduler_output.scheduled,
