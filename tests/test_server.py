@@ -761,3 +761,27 @@ def test_a_bug_in_a_route_is_a_logged_openai_500_and_the_server_carries_on(
     assert "a bug in a route" in caplog.text and "X-Request-Id r-9" in caplog.text
     assert client.completions.create(model=MODEL, prompt="still here", max_tokens=3
                                      ).choices[0].text is not None
+
+
+@pytest.mark.anyio
+async def test_the_prompts_of_one_completion_enter_the_engine_together() -> None:
+    """A list of prompts is one batch: with one token each, they take one or two steps
+    between them (added while the first step runs), not one step per prompt."""
+    runners: list[FakeModelRunner] = []
+
+    def factory() -> FakeModelRunner:
+        runners.append(FakeModelRunner(step_delay=0.01))
+        return runners[-1]
+
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(disable_log_requests=True),
+                                             runner_factory=factory)
+    state = ServerState(engine=engine, settings=ServerSettings(served_model_names=("demo",)),
+                        metrics=PrometheusStatLogger(engine, "demo"))
+    transport = httpx.ASGITransport(app=build_app(state))
+    async with engine, httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        response = await http.post("/v1/completions", json={
+            "model": "demo", "prompt": [[5, 6], [7, 8, 9], [10], [11, 12]], "max_tokens": 1})
+        assert response.status_code == 200, response.text
+        assert [c["index"] for c in response.json()["choices"]] == [0, 1, 2, 3]
+        steps = [len(step.scheduled) for step in runners[0].computed if step.scheduled]
+        assert sum(steps) == 4 and len(steps) <= 2, steps

@@ -125,26 +125,39 @@ def check_limits(state: ServerState, prompt: TokensPrompt, params: SamplingParam
 async def submit(state: ServerState, prompts: Sequence[PromptType], params: SamplingParams,
                  request_id: str, body: CompletionRequest | ChatCompletionRequest,
                  opened: list[EngineStream]) -> list[Submitted]:
-    """Check every prompt against the limits, add each to the engine and wait for its
-    first output, so that bad input is a 400 before any response starts. Streams are
-    appended to ``opened`` (the caller closes them, which aborts whatever is
+    """Check every prompt against the limits, add them all to the engine at once and wait
+    for each one's first output, so that bad input is a 400 before any response starts.
+    Streams are appended to ``opened`` (the caller closes them, which aborts whatever is
     unfinished)."""
     if state.shutting_down:
         raise engine_unavailable(EngineClosedError("shutting down"))
     ready = [tokenized(state, prompt, body.cache_salt) for prompt in prompts]
     for prompt in ready:
         check_limits(state, prompt, params)
-    submitted = []
     base_id = engine_request_id(request_id)
-    for index, prompt in enumerate(ready):
-        sub_id = base_id if len(ready) == 1 else f"{base_id}-{index}"
-        stream = state.engine.generate(
-            prompt, params, sub_id, priority=body.priority,
-            is_latency_sensitive=body.latency_sensitive, slo=body.slo,
-            ttft_slo=body.ttft_slo)
-        opened.append(stream)
-        submitted.append(Submitted(index, stream, await first_output(stream)))
-    return submitted
+    streams = [state.engine.generate(
+        prompt, params, base_id if len(ready) == 1 else f"{base_id}-{index}",
+        priority=body.priority, is_latency_sensitive=body.latency_sensitive, slo=body.slo,
+        ttft_slo=body.ttft_slo) for index, prompt in enumerate(ready)]
+    opened.extend(streams)
+    if len(streams) == 1:
+        return [Submitted(0, streams[0], await first_output(streams[0]))]
+    submitted: list[Submitted | None] = [None] * len(streams)
+
+    async def start(index: int) -> None:
+        submitted[index] = Submitted(index, streams[index], await first_output(streams[index]))
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            for index in range(len(streams)):
+                tasks.start_soon(start, index)
+    except BaseExceptionGroup as group:
+        # One prompt's bad input, or the engine gone: the first such error answers.
+        answer, _ = group.split(OpenAIError)
+        if answer is None or len(answer.exceptions) != len(group.exceptions):
+            raise
+        raise answer.exceptions[0] from None
+    return [item for item in submitted if item is not None]
 
 
 async def first_output(stream: EngineStream) -> RequestOutput:
