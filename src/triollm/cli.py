@@ -48,7 +48,7 @@ _HELP = {
     "enforce_eager": "compile nothing (on CPU, decode attention then gathers KV blocks "
                      "instead of the torch.compile'd kernel)",
     "cpu_threads": "compute threads on CPU; default: all usable cores, fewer while other "
-                   "processes keep some busy (docs/performance.md)",
+                   "processes keep some busy (docs/api.md)",
     "tensor_parallel_size": "number of GPUs (only 1 for now)",
     "scheduling_policy": "fcfs, priority or slo (docs/scheduling.md)",
     "disable_log_requests": "do not log each request",
