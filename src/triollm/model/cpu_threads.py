@@ -9,7 +9,8 @@ slower, where one thread on the free core loses only that core's share.
 So by default (``cpu_threads=None``) the model thread measures, at most every
 ``WINDOW_SECONDS`` before a step, how many of the cores it may run on were kept busy by
 other processes (``/proc/stat`` for those cores, minus this process's own CPU time), and
-computes on the cores left: ``max_threads - round(others)``, at least one. Fewer
+computes on the cores left: usable cores minus ``round(others)``, at least one and at
+most what torch started with. Fewer
 threads are taken at once; more only after two windows agree, so a brief burst next
 door does not make it flap. A fixed ``cpu_threads``, or ``OMP_NUM_THREADS`` in the
 environment, turns this off. Where ``/proc`` cannot be read the count stays fixed.
@@ -21,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,15 +36,13 @@ WINDOW_SECONDS = 0.25
 TAKEN_CORE = 0.5
 
 
+@dataclass(frozen=True, slots=True)
 class CpuTimes:
     """Busy seconds of a set of cores and of this process, at one instant."""
 
-    __slots__ = ("cores_busy", "process", "wall")
-
-    def __init__(self, cores_busy: float, process: float, wall: float) -> None:
-        self.cores_busy = cores_busy
-        self.process = process
-        self.wall = wall
+    cores_busy: float
+    process: float
+    wall: float
 
 
 def read_cpu_times(cores: frozenset[int]) -> CpuTimes | None:
