@@ -47,6 +47,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ANCHOR = HERE.parent.parent / "shared" / "anchors" / "vllm_cpu"
 CONTAMINATED_CORES = 0.1
+#: {"prompts": token ids per request, "output_lens": tokens to generate per request}
+Workload = dict[str, list]
 
 #: name -> (hidden, intermediate, layers, heads); vocabulary from the test tokenizer.
 MODELS = {"27m": (512, 1376, 8, 8), "85m": (768, 2048, 12, 12)}
@@ -179,7 +181,8 @@ class Measurement:
         return self.others_cores > CONTAMINATED_CORES
 
 
-def save_model(name: str, directory: str) -> None:
+def save_model(name: str, directory: str) -> int:
+    """Save the model and the test tokenizer; returns the vocabulary size."""
     import torch
     import transformers
 
@@ -196,6 +199,7 @@ def save_model(name: str, directory: str) -> None:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    return len(tokenizer)
 
 
 def python_for(engine: str, vllm_python: str | None) -> str:
@@ -205,10 +209,10 @@ def python_for(engine: str, vllm_python: str | None) -> str:
     return sys.executable
 
 
-def run_offline(engine: str, python: str, model_dir: str, workload: str, label: str,
+def run_offline(engine: str, python: str, model_dir: str, workload: Workload, label: str,
                 max_num_seqs: int, neighbour: bool) -> Measurement:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
-        json.dump(OFFLINE_WORKLOADS[workload], file)
+        json.dump(workload, file)
     command = [python, __file__, "--child-offline", engine, model_dir, file.name,
                str(max_num_seqs)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -302,16 +306,15 @@ def run_serving(engine: str, python: str, vllm_python: str, model_dir: str, mode
     return measurements
 
 
-OFFLINE_WORKLOADS: dict[str, dict[str, list]] = {}
-
-
-def make_workloads(vocab: int, seed: int) -> None:
+def make_workloads(vocab: int, seed: int) -> dict[str, Workload]:
     rng = random.Random(seed)
+    workloads = {}
     for name, (requests, prompt_len, output_len, _) in OFFLINE.items():
-        OFFLINE_WORKLOADS[name] = {
+        workloads[name] = {
             "prompts": [[rng.randrange(10, vocab) for _ in range(rng.randint(*prompt_len))]
                         for _ in range(requests)],
             "output_lens": [rng.randint(*output_len) for _ in range(requests)]}
+    return workloads
 
 
 def print_table(measurements: list[Measurement], engines: list[str]) -> None:
@@ -363,22 +366,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         for model in args.models:
             model_dir = str(Path(work) / model)
-            save_model(model, model_dir)
-            from triollm.testing import train_test_tokenizer
-            make_workloads(len(train_test_tokenizer()), args.seed)
+            workloads = make_workloads(save_model(model, model_dir), args.seed)
             for engine in args.engines:
                 python = python_for(engine, vllm_python)
                 if "offline" in args.parts:
                     for workload in args.workloads:
-                        m = run_offline(engine, python, model_dir, workload,
+                        m = run_offline(engine, python, model_dir, workloads[workload],
                                         f"offline {model} {workload}", OFFLINE[workload][3],
                                         neighbour=False)
                         measurements.append(m)
                         print(m, flush=True)
                 if "neighbour" in args.parts:
-                    quiet = run_offline(engine, python, model_dir, "small",
+                    quiet = run_offline(engine, python, model_dir, workloads["small"],
                                         f"quiet {model} small", OFFLINE["small"][3], False)
-                    busy = run_offline(engine, python, model_dir, "small",
+                    busy = run_offline(engine, python, model_dir, workloads["small"],
                                        f"neighbour {model} small", OFFLINE["small"][3], True)
                     slowdown = quiet.values["output_tok_s"] / busy.values["output_tok_s"]
                     busy.values["slowdown_x"] = slowdown
