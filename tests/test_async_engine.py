@@ -315,3 +315,68 @@ async def test_real_tiny_model_streams_through_the_async_engine(llama_path: Any,
 
 def test_demo_tokenizer_is_shared() -> None:
     assert build_demo_tokenizer() is build_demo_tokenizer()
+
+
+class CountingLogger:
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def record(self, stats: Any) -> None:
+        self.steps += 1
+
+
+class BrokenLogger:
+    def record(self, stats: Any) -> None:
+        raise RuntimeError("a logger bug")
+
+
+async def test_stat_loggers_in_vllms_forms_and_a_broken_one_costs_only_itself() -> None:
+    by_name = CountingLogger()
+    made: list[CountingLogger] = []
+
+    def factory(config: Any, engine_index: int) -> CountingLogger:
+        assert engine_index == 0 and config.model.max_model_len == 128
+        made.append(CountingLogger())
+        return made[-1]
+
+    runner = FakeModelRunner(num_kv_blocks=256, vocab_size=VOCAB)
+    args = AsyncEngineArgs(max_model_len=128, max_num_batched_tokens=64, block_size=4)
+    engine = AsyncLLMEngine.from_engine_args(args, runner_factory=lambda: runner,
+                                             stat_loggers={"mine": by_name})
+    engine.add_stat_logger(BrokenLogger())
+    engine.add_stat_logger(factory)  # type: ignore[arg-type]
+    async with engine:
+        outputs = await collect(engine, [5, 6, 7], "a", params(4))
+        assert outputs[-1].finished
+    assert by_name.steps > 0 and made and made[0].steps == by_name.steps
+    with pytest.raises(ValueError, match=r"stat_loggers: .* has no record"):
+        AsyncLLMEngine.from_engine_args(args, runner_factory=lambda: runner,
+                                        stat_loggers=[object()])
+
+
+async def test_vllms_introspection_and_default_params() -> None:
+    engine, _ = make_engine()
+    async with engine:
+        assert await engine.get_lora_config() is None
+        assert await engine.is_tracing_enabled() is False
+        assert (await engine.get_parallel_config()).world_size == 1
+        assert (await engine.get_decoding_config()).backend == "none"
+        assert engine.get_default_sampling_params() == SamplingParams()
+        outputs = [o async for o in engine.generate({"prompt_token_ids": [1, 2, 3]}, None,
+                                                    "defaults")]
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) <= 16
+
+
+async def test_abort_takes_an_iterable_of_ids() -> None:
+    engine, _ = make_engine()
+    async with engine:
+        streams = [engine.generate({"prompt_token_ids": [1, 2]}, params(100), f"r{i}")
+                   for i in range(3)]
+        firsts = [await anext(stream) for stream in streams]
+        assert not any(first.finished for first in firsts)
+        await engine.abort(f"r{i}" for i in range(3))
+        for stream in streams:
+            async with aclosing(stream):
+                last = [o async for o in stream][-1]
+            assert last.outputs[0].finish_reason == "abort"
+        assert_idle(engine)

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from triollm.cli import build_parser, engine_args_from_namespace, server_options_from_namespace
+from triollm.cli import (
+    build_parser,
+    engine_args_from_namespace,
+    human_readable_int,
+    normalize_argv,
+    server_options_from_namespace,
+)
 from triollm.engine.args import AsyncEngineArgs
+from triollm.refused_flags import REFUSED_FLAGS
 
 #: The flags the server issue asks for, spelled as `vllm serve` spells them.
 VLLM_FLAGS = [
@@ -48,7 +61,7 @@ def test_serve_flags_map_onto_engine_and_server_options() -> None:
             engine.scheduling_policy) == ("some/model", 512, False, "priority")
     options = server_options_from_namespace(namespace)
     assert options.served_model_names == ("a", "b")
-    assert (options.host, options.port, options.api_key) == ("0.0.0.0", 9001, "k")
+    assert (options.host, options.port, options.api_key) == ("0.0.0.0", 9001, ("k",))
     assert options.cors.allowed_origins == ("https://app.example",)
     assert options.cors.allow_credentials and options.cors.allowed_methods == ("*",)
     assert options.log_level == "warning" and options.log_stats_interval is None
@@ -67,3 +80,105 @@ def test_a_bad_json_list_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
         build_parser().parse_args(["serve", "--allowed-origins", "https://app.example"])
     assert exited.value.code == 2
     assert "JSON list" in capsys.readouterr().err
+
+
+def parse(*argv: str) -> tuple[AsyncEngineArgs, Any]:
+    namespace = build_parser().parse_args(normalize_argv(["serve", *argv]))
+    if namespace.model_tag is not None:
+        namespace.model = namespace.model_tag
+    engine = engine_args_from_namespace(namespace, AsyncEngineArgs)
+    assert isinstance(engine, AsyncEngineArgs)
+    return engine, server_options_from_namespace(namespace)
+
+
+def test_underscores_human_readable_sizes_and_several_keys() -> None:
+    engine, options = parse("m", "--max_num_seqs", "7", "--max-model-len", "1k",
+                            "--max_num_batched_tokens=2K", "--api-key", "a", "b",
+                            "--enable-log-requests", "--log-level", "WARNING")
+    assert (engine.max_num_seqs, engine.max_model_len, engine.max_num_batched_tokens) == (
+        7, 1000, 2048)
+    assert options.api_key == ("a", "b") and engine.enable_log_requests
+    assert options.log_level == "warning"
+    assert [human_readable_int(t) for t in ("4096", "32k", "32K", "1.5m", "1M")] == [
+        4096, 32000, 32768, 1_500_000, 1_048_576]
+    for bad in ("1.5K", "abc", "0.0001k"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            human_readable_int(bad)
+
+
+def test_config_file_flags_with_the_command_line_winning(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_num_seqs: 9\nmax-model-len: 2k\nenable-prefix-caching: false\n"
+                      "api-key: [x, y]\nport: 9100\n"
+                      "override_generation_config: {temperature: 0.5}\n")
+    engine, options = parse("m", "--config", str(config), "--port", "9200")
+    assert (engine.model, engine.max_num_seqs, engine.max_model_len,
+            engine.enable_prefix_caching) == ("m", 9, 2000, False)
+    assert json.loads(str(engine.override_generation_config)) == {"temperature": 0.5}
+    assert options.api_key == ("x", "y") and options.port == 9200
+
+
+def test_server_flags_reach_the_server_options() -> None:
+    engine, options = parse(
+        "--uds", "/tmp/t.sock", "--root-path", "/api", "--disable-uvicorn-access-log",
+        "--disable-fastapi-docs", "--chat-template-content-format", "openai",
+        "--return-tokens-as-token-ids", "--shutdown-timeout", "5", "--revision", "v2",
+        "--download-dir", "/tmp/hub", "--generation-config", "vllm")
+    assert (options.uds, options.root_path, options.access_log, options.api_docs) == (
+        "/tmp/t.sock", "/api", False, False)
+    assert options.chat_template_content_format == "openai"
+    assert options.return_tokens_as_token_ids and options.shutdown_grace == 5
+    assert (engine.revision, engine.download_dir, engine.generation_config) == (
+        "v2", "/tmp/hub", "vllm")
+
+
+def test_every_vllm_flag_is_known() -> None:
+    """Each flag of `vllm serve` (vLLM 0.32) is a triollm flag or a refused one."""
+    listed = Path(__file__).with_name("vllm_serve_flags.txt").read_text().split("\n")
+    flags = [line for line in listed if line.startswith("--")]
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    known = {name for action in serve._actions for name in action.option_strings}
+    assert len(flags) > 300
+    assert [flag for flag in flags if flag not in known] == []
+    assert set(REFUSED_FLAGS) <= set(flags)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--quantization", "awq"], "--quantization awq: not supported by triollm: quantized"),
+    (["--kv-cache-dtype", "fp8"], "(only auto is accepted)"),
+    (["--enable-lora"], "--enable-lora: not supported by triollm: LoRA"),
+    (["--pipeline-parallel-size", "2"], "one device"),
+    (["--lora-modules", "a=/x", "b=/y"], "--lora-modules a=/x b=/y: not supported"),
+    (["--otlp-traces-endpoint", "http://c:4317"], "tracing is not implemented"),
+])
+def test_vllm_flags_that_do_not_apply_fail_saying_why(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse(*argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_vllm_flags_that_ask_for_what_triollm_does_are_accepted() -> None:
+    engine, _ = parse("m", "--kv-cache-dtype", "auto", "--pipeline-parallel-size", "1",
+                      "--no-enable-lora", "--load-format", "safetensors", "--runner",
+                      "generate", "--model-impl", "transformers")
+    assert engine.model == "m"
+
+
+def test_vllm_module_path_runs_the_same_server() -> None:
+    done = subprocess.run([sys.executable, "-m", "triollm.entrypoints.openai.api_server",
+                           "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--max-model-len" in done.stdout
+    assert "usage: triollm serve" in done.stdout
+
+
+def test_the_migration_guide_has_a_row_for_every_vllm_flag_and_field() -> None:
+    root = Path(__file__).parent
+    guide = (root.parent / "docs" / "migration.md").read_text()
+    for listing in ("vllm_serve_flags.txt", "vllm_request_fields.txt"):
+        names = [line for line in (root / listing).read_text().split("\n")
+                 if line and not line.startswith("#")]
+        missing = [name for name in names if f"| `{name}` |" not in guide]
+        assert missing == [], listing
+    assert "ignored |" not in guide

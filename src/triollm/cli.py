@@ -1,18 +1,28 @@
 """``triollm`` command line. Engine flags are generated from ``EngineArgs`` with vLLM's
-spelling (``--max-model-len``), so every subcommand takes the same engine options."""
+spelling (``--max-model-len``), so every subcommand takes the same engine options.
+
+As ``vllm serve``: flags may be spelled with underscores (``--max_num_seqs``), token
+counts may be human-readable (``--max-model-len 32k``), ``--config FILE.yaml`` reads
+flags from a YAML mapping (the command line wins), and vLLM's flags that triollm does
+not implement fail with a message that says so (``triollm.refused_flags``) unless
+they ask for what triollm does anyway.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from triollm.engine.args import AsyncEngineArgs, EngineArgs
+from triollm.engine.chat import CONTENT_FORMATS
+from triollm.refused_flags import add_refused_flags
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -22,13 +32,24 @@ __all__ = [
     "add_engine_arguments",
     "build_parser",
     "engine_args_from_namespace",
+    "human_readable_int",
     "main",
+    "normalize_argv",
     "server_options_from_namespace",
 ]
 
 _HELP = {
     "model": "model directory or hub id (default: the built-in demo model, random weights)",
     "tokenizer": "tokenizer directory or hub id (default: the model's)",
+    "revision": "hub revision (branch, tag or commit) of the model",
+    "tokenizer_revision": "hub revision of the tokenizer (default: --revision when the "
+                          "tokenizer is the model's)",
+    "download_dir": "where hub downloads go (default: the Hugging Face cache)",
+    "generation_config": "sampling defaults: auto (the model's generation_config.json), "
+                         "vllm (none) or a directory holding a generation_config.json",
+    "override_generation_config": 'sampling defaults as JSON, over --generation-config\'s '
+                                  '(e.g. \'{"temperature": 0.5}\')',
+    "enable_log_requests": "log each request (prompts included, up to --max-log-len)",
     "dtype": "auto (bf16 on CUDA or a bf16-capable CPU, else fp32), bfloat16, float32",
     "device": "auto, cpu or cuda",
     "max_num_batched_tokens": "token budget of one engine step",
@@ -51,10 +72,33 @@ _HELP = {
                    "processes keep some busy (docs/api.md)",
     "tensor_parallel_size": "number of GPUs (only 1 for now)",
     "scheduling_policy": "fcfs, priority or slo (docs/scheduling.md)",
-    "disable_log_requests": "do not log each request",
+    "disable_log_requests": "do not log requests (vLLM's older flag; off is the default)",
     "disable_log_stats": "do not log engine statistics periodically",
     "max_log_len": "longest prompt prefix printed in request logs",
 }
+
+
+#: Engine flags that count tokens, so they take human-readable sizes as vLLM's do.
+_TOKEN_COUNTS = ("max_model_len", "max_num_batched_tokens")
+
+
+def human_readable_int(text: str) -> int:
+    """``"32k"`` → 32000, ``"32K"`` → 32768, ``"1.5m"`` → 1500000 (vLLM's reading:
+    lower case counts in thousands, upper case in powers of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 4k or 4K, got "
+                                         f"{text!r}")
+    number, suffix = match.groups()
+    power = "kmgt".index(suffix.lower()) + 1 if suffix else 0
+    base = 1024 if suffix.isupper() else 1000
+    if suffix.isupper() and "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: a binary size (K, M, G) takes a whole "
+                                         f"number")
+    value = float(number) * base**power if "." in number else int(number) * base**power
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
@@ -72,9 +116,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
                                 default=field.default, help=help_text)
             continue
         options = [a for a in typing.get_args(kind) if a is not type(None)]
-        base = options[0] if isinstance(kind, types.UnionType) and options else kind
+        base: Any = options[0] if isinstance(kind, types.UnionType) and options else kind
         if base not in (int, float, str):
             base = str
+        if field.name in _TOKEN_COUNTS:
+            base = human_readable_int
         parser.add_argument(flag, type=base, default=field.default, help=help_text)
 
 
@@ -124,14 +170,22 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
             chat_template = file.read()
     served = namespace.served_model_name
     level = namespace.log_level or namespace.uvicorn_log_level
+    if level == "trace":  # uvicorn's level below debug; Python logging has none
+        level = "debug"
+    keys = namespace.api_key
     return ServerOptions(
-        host=namespace.host or "0.0.0.0", port=namespace.port, api_key=namespace.api_key,
+        host=namespace.host or "0.0.0.0", port=namespace.port, uds=namespace.uds,
+        api_key=tuple(keys) if keys else None,
         served_model_names=tuple([served] if isinstance(served, str) else served or []),
         ssl_keyfile=namespace.ssl_keyfile, ssl_certfile=namespace.ssl_certfile,
         shutdown_grace=namespace.shutdown_grace,
         max_request_body_bytes=namespace.max_request_body_bytes,
         max_logprob_entries=namespace.max_logprob_entries,
-        chat_template=chat_template, log_level=level.lower(),
+        chat_template=chat_template,
+        chat_template_content_format=namespace.chat_template_content_format,
+        return_tokens_as_token_ids=namespace.return_tokens_as_token_ids,
+        root_path=namespace.root_path, access_log=not namespace.disable_uvicorn_access_log,
+        api_docs=not namespace.disable_fastapi_docs, log_level=level.lower(),
         cors=CorsSettings(
             allowed_origins=tuple(namespace.allowed_origins),
             allow_credentials=namespace.allow_credentials,
@@ -155,7 +209,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     serve = commands.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (as `vllm serve`). "
-                    "With no model it serves the built-in demo model (random weights).")
+                    "With no model it serves the built-in demo model (random weights).",
+        epilog="vLLM's flags that triollm does not implement are accepted only with a value "
+               "that asks for what triollm does anyway (--kv-cache-dtype auto); any other "
+               "use is an error saying why. docs/migration.md lists every flag.")
     serve.add_argument("model_tag", nargs="?", default=None,
                        help="model directory or hub id (same as --model)")
     server = serve.add_argument_group("server")
@@ -163,22 +220,43 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
                         help="address to bind (default: every IPv4 interface, as vLLM; "
                              "127.0.0.1 for this machine only)")
     server.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    server.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on /v1 routes")
+    server.add_argument("--uds", default=None,
+                        help="listen on this Unix domain socket instead of --host/--port")
+    server.add_argument("--api-key", nargs="+", default=None,
+                        help="require `Authorization: Bearer KEY` with one of these keys "
+                             "on every route but /health, /ping and /metrics")
+    server.add_argument("--root-path", default="",
+                        help="the path prefix a proxy serves the API under (ASGI root_path)")
+    server.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="do not log a line per HTTP request")
+    server.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="do not serve /docs, /redoc and /openapi.json")
     server.add_argument("--ssl-keyfile", default=None, help="TLS private key file")
     server.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one "
                              "(default: the tokenizer's)")
+    server.add_argument("--chat-template-content-format", default="auto",
+                        choices=CONTENT_FORMATS,
+                        help="how message content reaches the template: string (text parts "
+                             "joined by newlines), openai (a list of parts), or auto (read "
+                             "the template; default)")
+    server.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="write logprob tokens as 'token_id:N' (a request's "
+                             "return_tokens_as_token_ids wins)")
     server.add_argument("--allowed-origins", type=_json_list, default=["*"],
                         help='CORS: origins allowed, a JSON list (default: ["*"])')
-    server.add_argument("--allow-credentials", action="store_true",
+    server.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction,
+                        default=False,
                         help="CORS: allow credentials (cookies, Authorization)")
     server.add_argument("--allowed-methods", type=_json_list, default=["*"],
                         help='CORS: methods allowed, a JSON list (default: ["*"])')
     server.add_argument("--allowed-headers", type=_json_list, default=["*"],
                         help='CORS: headers allowed, a JSON list (default: ["*"])')
-    server.add_argument("--shutdown-grace", type=float, default=30.0,
+    server.add_argument("--shutdown-grace", "--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may run after SIGINT/SIGTERM "
                              "(default: 30)")
     server.add_argument("--max-request-body-bytes", type=int,
@@ -188,13 +266,17 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
                         help="a request whose reply could carry more logprob entries (n x "
                              "tokens x (logprobs + 1), echoed prompt included) gets 400 "
                              f"(default: {DEFAULT_MAX_LOGPROB_ENTRIES})")
-    server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["debug", "info", "warning", "error", "critical"],
+    server.add_argument("--uvicorn-log-level", default="info", type=str.lower,
+                        choices=["trace", "debug", "info", "warning", "error", "critical"],
                         help="log level (vLLM's name for it; default: info)")
-    server.add_argument("--log-level", default=None,
+    server.add_argument("--log-level", default=None, type=str.lower,
                         choices=["debug", "info", "warning", "error", "critical"],
                         help="log level (overrides --uvicorn-log-level)")
+    server.add_argument("--config", default=None,
+                        help="a YAML file of flags (keys are flag names without --); flags "
+                             "on the command line win")
     add_engine_arguments(serve.add_argument_group("engine"), AsyncEngineArgs)
+    add_refused_flags(serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,8 +293,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def normalize_argv(argv: Sequence[str]) -> list[str]:
+    """vLLM's spellings: ``--max_num_seqs`` is ``--max-num-seqs``, and ``--config FILE``
+    (a YAML mapping of flag names to values) is spliced in before the other flags, so
+    the command line wins."""
+    args: list[str] = []
+    config_files: list[str] = []
+    items = iter(argv)
+    for item in items:
+        if item.startswith("--") and len(item) > 2:
+            name, eq, value = item.partition("=")
+            item = name.replace("_", "-") + eq + value
+            if name.replace("_", "-") == "--config":
+                config_files.append(value if eq else next(items, ""))
+                continue
+        args.append(item)
+    if not config_files:
+        return args
+    spliced: list[str] = []
+    for path in config_files:
+        spliced.extend(_flags_from_yaml(path))
+    # positional arguments (the subcommand, a model) must stay in front
+    split = next((i for i, a in enumerate(args) if a.startswith("-")), len(args))
+    return args[:split] + spliced + args[split:]
+
+
+def _flags_from_yaml(path: str) -> list[str]:
+    import yaml
+
+    if not path:
+        raise SystemExit("triollm: error: --config needs a YAML file")
+    try:
+        with open(path, encoding="utf-8") as file:
+            mapping = yaml.safe_load(file) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise SystemExit(f"triollm: error: --config {path}: {error}") from None
+    if not isinstance(mapping, dict):
+        raise SystemExit(f"triollm: error: --config {path}: expected a mapping of flag "
+                         f"names to values")
+    flags: list[str] = []
+    for key, value in mapping.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            flags.extend([flag, *(str(v) for v in value)])
+        elif isinstance(value, dict):
+            flags.extend([flag, json.dumps(value)])
+        elif value is not None:
+            flags.extend([flag, str(value)])
+    return flags
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    namespace = build_parser().parse_args(argv)
+    namespace = build_parser().parse_args(
+        normalize_argv(sys.argv[1:] if argv is None else argv))
     try:
         handlers: dict[str, Callable[[argparse.Namespace], int]] = {
             "generate": _generate, "serve": _serve}

@@ -9,8 +9,9 @@ in annotations.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -20,8 +21,10 @@ __all__ = [
     "DEMO_MODEL_NAME",
     "POLICIES",
     "CacheConfig",
+    "DecodingConfig",
     "EngineConfig",
     "ModelConfig",
+    "ParallelConfig",
     "SchedulerConfig",
     "SchedulingPolicy",
 ]
@@ -50,6 +53,15 @@ class ModelConfig:
     #: The most logprobs (sample or prompt) one request may ask for; -1: the vocabulary.
     max_logprobs: int
     hf_config: PretrainedConfig = field(repr=False, compare=False)
+    #: Hub revision of the weights and config, and of the tokenizer; None: the default.
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    #: Where hub downloads go (transformers' ``cache_dir``); None: the hub cache.
+    download_dir: str | None = None
+    #: Sampling defaults for requests that leave a field out: ``SamplingParams``
+    #: names (``max_tokens``, ``temperature``...), from the model's
+    #: ``generation_config.json`` unless ``generation_config="vllm"``.
+    generation_defaults: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -75,3 +87,21 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """vLLM's parallelism settings: triollm runs one model on one device."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    world_size: int = 1
+
+
+@dataclass(frozen=True)
+class DecodingConfig:
+    """vLLM's structured-output settings: triollm has no guided decoding (requests that
+    ask for it are refused)."""
+
+    backend: str = "none"

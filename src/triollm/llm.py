@@ -11,8 +11,9 @@ from tqdm.auto import tqdm
 
 from triollm.config import DEMO_MODEL_NAME
 from triollm.engine.args import EngineArgs
+from triollm.engine.chat import ContentFormat, render_chat
 from triollm.engine.core import EngineCore
-from triollm.engine.inputs import PromptType, TokensPrompt, render_chat
+from triollm.engine.inputs import PromptType, TokensPrompt
 from triollm.errors import RequestFailedError
 from triollm.outputs import RequestOutput
 from triollm.sampling_params import RequestOutputKind, SamplingParams
@@ -40,12 +41,20 @@ class LLM:
 
         config = EngineArgs(model=model, **engine_args).create_engine_config()
         self.tokenizer = load_tokenizer(config.model.tokenizer,
-                                        trust_remote_code=config.model.trust_remote_code)
+                                        trust_remote_code=config.model.trust_remote_code,
+                                        revision=config.model.tokenizer_revision,
+                                        download_dir=config.model.download_dir)
         self.engine = EngineCore(config, TorchModelRunner(config), self.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters a prompt gets when none are given: vLLM's defaults
+        with the model's generation_config.json (or ``override_generation_config``) on
+        top, as the server applies them to fields a request leaves out."""
+        return SamplingParams(**self.engine.config.model.generation_defaults)
 
     def generate(
         self,
@@ -59,7 +68,7 @@ class LLM:
         per prompt, lower first) needs ``scheduling_policy="priority"``."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams() for _ in prompt_list]
+            params_list = [self.get_default_sampling_params() for _ in prompt_list]
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
@@ -79,22 +88,34 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
         chat_template: str | None = None,
+        chat_template_content_format: ContentFormat = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations rendered with the tokenizer's chat template."""
-        conversations: list[list[dict[str, str]]]
+        """Generate replies to conversations rendered with the chat template (vLLM's
+        arguments: content given as a string or as OpenAI's text parts,
+        ``continue_final_message`` to continue the last assistant message, extra
+        template variables in ``chat_template_kwargs``)."""
+        conversations: list[list[dict[str, Any]]]
         if messages and isinstance(messages[0], list):
-            conversations = cast(list[list[dict[str, str]]], messages)
+            conversations = cast(list[list[dict[str, Any]]], messages)
         else:
-            conversations = [cast(list[dict[str, str]], messages)]
+            conversations = [cast(list[dict[str, Any]], messages)]
         prompts: list[PromptType] = [TokensPrompt(prompt_token_ids=render_chat(
             self.tokenizer, list(conversation), chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt)) for conversation in conversations]
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, tools=tools,
+            documents=documents, chat_template_kwargs=chat_template_kwargs,
+            content_format=chat_template_content_format))
+            for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],

@@ -7,8 +7,11 @@ it lives here rather than in ``triollm.config``, which stays free of transformer
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from triollm.config import (
     DEMO_MODEL_NAME,
@@ -23,8 +26,15 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-__all__ = ["AsyncEngineArgs", "EngineArgs", "cpu_supports_bf16", "resolve_device",
-           "resolve_dtype"]
+__all__ = ["GENERATION_CONFIG_FIELDS", "AsyncEngineArgs", "EngineArgs", "cpu_supports_bf16",
+           "resolve_device", "resolve_dtype", "sampling_defaults"]
+
+logger = logging.getLogger(__name__)
+
+#: The generation_config.json fields that become sampling defaults (vLLM's list);
+#: ``max_new_tokens`` is ``max_tokens`` there.
+GENERATION_CONFIG_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty",
+                            "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 _DTYPE_NAMES = {
     "float32": "float32",
@@ -83,6 +93,29 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolved
 
 
+def sampling_defaults(generation_config: Mapping[str, Any],
+                      override: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``SamplingParams`` defaults a generation config and its overrides give
+    (``override`` wins; its keys must be ``GENERATION_CONFIG_FIELDS``)."""
+    for name in override:
+        if name not in GENERATION_CONFIG_FIELDS:
+            raise _fail("override_generation_config", f"{name!r} is not a sampling "
+                        f"default; expected some of {', '.join(GENERATION_CONFIG_FIELDS)}")
+    merged = {**generation_config, **override}
+    defaults = {name: merged[name] for name in GENERATION_CONFIG_FIELDS
+                if merged.get(name) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    from triollm.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as error:
+        raise _fail("generation_config", f"the sampling defaults {defaults} are invalid: "
+                    f"{error}") from None
+    return defaults
+
+
 def _context_length(hf_config: PretrainedConfig) -> int | None:
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(hf_config, name, None)
@@ -102,6 +135,9 @@ class EngineArgs:
 
     model: str = DEMO_MODEL_NAME
     tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     served_model_name: str | list[str] | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -121,6 +157,8 @@ class EngineArgs:
     max_logprobs: int = 20
     tensor_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
@@ -131,7 +169,8 @@ class EngineArgs:
         # load torch and transformers.
         from triollm.model.loader import load_hf_config
 
-        hf_config = load_hf_config(self.model, trust_remote_code=self.trust_remote_code)
+        hf_config = load_hf_config(self.model, trust_remote_code=self.trust_remote_code,
+                                   revision=self.revision, download_dir=self.download_dir)
         model_limit = _context_length(hf_config)
         if self.max_model_len is None:
             if model_limit is None:
@@ -165,6 +204,11 @@ class EngineArgs:
             cpu_threads=self.cpu_threads,
             max_logprobs=self.max_logprobs,
             hf_config=hf_config,
+            revision=self.revision,
+            tokenizer_revision=self.tokenizer_revision or (
+                self.revision if self.tokenizer is None else None),
+            download_dir=self.download_dir,
+            generation_defaults=self._generation_defaults(),
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -181,6 +225,45 @@ class EngineArgs:
             policy=next(p for p in POLICIES if p == self.scheduling_policy),
         )
         return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+
+    def _generation_defaults(self) -> dict[str, Any]:
+        """Sampling defaults, as vLLM's ``--generation-config``: ``auto`` reads the
+        model's generation_config.json, ``vllm`` uses none, a directory reads its file;
+        ``override_generation_config`` applies on top."""
+        from triollm.model.loader import load_generation_config
+
+        override = self.override_generation_config
+        if isinstance(override, str):
+            try:
+                override = json.loads(override)
+            except json.JSONDecodeError as error:
+                raise _fail("override_generation_config", f"not JSON: {error}") from None
+        if override is None:
+            override = {}
+        if not isinstance(override, Mapping):
+            raise _fail("override_generation_config", f"must be a JSON object, got "
+                        f"{override!r}")
+        source = self.generation_config
+        if not isinstance(source, str) or not source:
+            raise _fail("generation_config", f"must be 'auto', 'vllm' or a directory, got "
+                        f"{source!r}")
+        if source == "vllm":
+            found: dict[str, Any] = {}
+        elif source == "auto":
+            found = load_generation_config(self.model, revision=self.revision,
+                                           download_dir=self.download_dir)
+        else:
+            found = load_generation_config(source)
+            if not found:
+                raise _fail("generation_config", f"{source!r} holds no "
+                            f"generation_config.json")
+        defaults = sampling_defaults(found, override)
+        if defaults and source != "vllm":
+            logger.warning("Default sampling parameters have been overridden by %s: %s. "
+                           "If this is not intended, pass --generation-config vllm.",
+                           "the model's generation_config.json" if source == "auto"
+                           else source, defaults)
+        return defaults
 
     def _validate_ranges(self) -> None:
         def positive_int(name: str, value: object) -> None:
@@ -217,8 +300,11 @@ class EngineArgs:
 
 @dataclass
 class AsyncEngineArgs(EngineArgs):
-    """``EngineArgs`` plus the async engine's request logging options."""
+    """``EngineArgs`` plus the async engine's request logging options. As in vLLM,
+    requests are logged only with ``enable_log_requests`` (``disable_log_requests``,
+    vLLM's older spelling, still turns it off)."""
 
+    enable_log_requests: bool = False
     disable_log_requests: bool = False
     disable_log_stats: bool = False
     max_log_len: int | None = None

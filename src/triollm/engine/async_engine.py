@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, NoReturn
 import anyio
 import anyio.abc
 
+from triollm.config import DecodingConfig, ParallelConfig
 from triollm.engine.channel import RequestChannel, RequestChannels, wakeup_factory
 from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType
-from triollm.engine.stats import EngineStatistics, StatLogger
+from triollm.engine.stats import EngineStatistics, StatLogger, StatLoggers, stat_logger_list
 from triollm.engine.worker import ModelWorker, open_model_worker
 from triollm.errors import EngineClosedError, EngineDeadError, RequestFailedError
 from triollm.outputs import RequestOutput
@@ -72,10 +73,10 @@ class AsyncLLMEngine:
         tokenizer: PreTrainedTokenizerBase,
         runner_factory: RunnerFactory,
         *,
-        log_requests: bool = True,
+        log_requests: bool = False,
         max_log_len: int | None = None,
         stream_buffer_size: int = _DEFAULT_STREAM_BUFFER,
-        stat_loggers: list[StatLogger] | None = None,
+        stat_loggers: StatLoggers | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -91,20 +92,24 @@ class AsyncLLMEngine:
         self._running = False
         self._num_steps = 0
         self._task_group: anyio.abc.TaskGroup | None = None
-        self._stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self._stat_loggers: list[StatLogger] = stat_logger_list(stat_loggers, config)
 
     @classmethod
     def from_engine_args(
         cls, engine_args: AsyncEngineArgs, *, runner_factory: RunnerFactory | None = None,
         stream_buffer_size: int = _DEFAULT_STREAM_BUFFER,
-        stat_loggers: list[StatLogger] | None = None,
+        stat_loggers: StatLoggers | None = None,
     ) -> AsyncLLMEngine:
-        """Validate the arguments and load the tokenizer; the model loads in ``run``."""
+        """Validate the arguments and load the tokenizer; the model loads in ``run``.
+        ``stat_loggers`` takes vLLM's forms: a list of loggers or of factories called
+        as ``factory(config, 0)``, or a dict of loggers by name."""
         from triollm.model.loader import load_tokenizer
 
         config = engine_args.create_engine_config()
         tokenizer = load_tokenizer(config.model.tokenizer,
-                                   trust_remote_code=config.model.trust_remote_code)
+                                   trust_remote_code=config.model.trust_remote_code,
+                                   revision=config.model.tokenizer_revision,
+                                   download_dir=config.model.download_dir)
         if runner_factory is None:
             def runner_factory() -> ModelRunner:
                 from triollm.model.torch_runner import TorchModelRunner
@@ -112,7 +117,8 @@ class AsyncLLMEngine:
                 return TorchModelRunner(config)
 
         return cls(config, tokenizer, runner_factory,
-                   log_requests=not getattr(engine_args, "disable_log_requests", False),
+                   log_requests=(getattr(engine_args, "enable_log_requests", False)
+                                 and not getattr(engine_args, "disable_log_requests", False)),
                    max_log_len=getattr(engine_args, "max_log_len", None),
                    stream_buffer_size=stream_buffer_size, stat_loggers=stat_loggers)
 
@@ -120,7 +126,7 @@ class AsyncLLMEngine:
         """Have ``stat_logger.record`` called after every step (before ``run``)."""
         if self._started:
             raise RuntimeError("add stat loggers before the engine starts")
-        self._stat_loggers.append(stat_logger)
+        self._stat_loggers.extend(stat_logger_list([stat_logger], self.config))
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -230,8 +236,14 @@ class AsyncLLMEngine:
     def _record_stats(self) -> None:
         if self._stat_loggers and self._core is not None:
             stats = self._core.take_stats()
-            for stat_logger in self._stat_loggers:
-                stat_logger.record(stats)
+            for stat_logger in list(self._stat_loggers):
+                try:
+                    stat_logger.record(stats)
+                except Exception:
+                    # A broken logger costs its own metrics, never the engine.
+                    logger.exception("stat logger %r failed; it gets no more stats",
+                                     stat_logger)
+                    self._stat_loggers.remove(stat_logger)
 
     def _wake(self) -> None:
         if self._work_available is not None:
@@ -247,7 +259,7 @@ class AsyncLLMEngine:
     async def generate(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         request_id: str,
         *,
         priority: int = 0,
@@ -267,10 +279,13 @@ class AsyncLLMEngine:
         ``is_latency_sensitive``, ``slo`` (target seconds per output token) and
         ``ttft_slo`` (target seconds to the first token) mark a request for SLO-aware
         co-serving under ``scheduling_policy="slo"``; whether it met them is in the final
-        output's ``metrics.slo_attained``.
+        output's ``metrics.slo_attained``. ``sampling_params=None`` takes
+        ``get_default_sampling_params()``.
         """
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported yet")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         channel = self._add_request(prompt, sampling_params, request_id, priority,
                                     is_latency_sensitive, slo, ttft_slo)
         finished = False
@@ -404,6 +419,28 @@ class AsyncLLMEngine:
 
     async def get_tokenizer(self, lora_request: object = None) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    async def get_decoding_config(self) -> DecodingConfig:
+        """vLLM's structured-output settings: this engine has no guided decoding."""
+        return DecodingConfig()
+
+    async def get_parallel_config(self) -> ParallelConfig:
+        """One model on one device in one process."""
+        return ParallelConfig()
+
+    async def get_lora_config(self) -> None:
+        """None: LoRA adapters are not enabled (not supported yet), as vLLM answers
+        without ``enable_lora``."""
+        return None
+
+    async def is_tracing_enabled(self) -> bool:
+        """False: this engine exports no traces (``trace_headers`` are not used)."""
+        return False
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's sampling defaults with the model's generation config on top (what the
+        server applies to fields a request leaves out)."""
+        return SamplingParams(**self.config.model.generation_defaults)
 
     async def do_log_stats(self, *args: object, **kwargs: object) -> None:
         stats = self.statistics()

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
+from typing import NotRequired, TypedDict
 
 from triollm.engine.detokenizer import Tokenizer
 from triollm.sampling_params import check_text
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
 __all__ = ["ProcessedPrompt", "PromptType", "TextPrompt", "TokensPrompt", "bad_words_token_ids",
-           "process_prompt", "render_chat"]
+           "process_prompt"]
 
 
 class TextPrompt(TypedDict):
@@ -111,17 +108,3 @@ def bad_words_token_ids(words: list[str], tokenizer: Tokenizer) -> list[list[int
         if spaced and bare and len(spaced) == len(bare) and spaced[0] != bare[0]:
             sequences.append(spaced)
     return sequences
-
-
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], *,
-                chat_template: str | None = None, add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Chat messages through the tokenizer's chat template (or ``chat_template``), as
-    token ids."""
-    template_tools: list[Any] | None = list(tools) if tools is not None else None
-    token_ids = tokenizer.apply_chat_template(
-        messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-        tools=template_tools, tokenize=True, return_dict=False)
-    # transformers types the result for every combination of its flags; with
-    # tokenize=True and return_dict=False it is one list of token ids.
-    return list(cast(list[int], token_ids))

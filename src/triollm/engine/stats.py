@@ -10,10 +10,12 @@ No torch, no event loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["EngineStatistics", "FinishedRequestStats", "IterationStats", "StatLogger"]
+__all__ = ["EngineStatistics", "FinishedRequestStats", "IterationStats", "StatLogger",
+           "StatLoggers", "stat_logger_list"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,30 @@ class StatLogger(Protocol):
     engine's state at any moment, read ``engine.statistics()``."""
 
     def record(self, stats: IterationStats) -> None: ...
+
+
+#: vLLM's forms: a list of loggers or logger factories, or a dict of loggers by name.
+StatLoggers = Sequence[Any] | Mapping[str, Any]
+
+
+def stat_logger_list(loggers: StatLoggers | None, config: Any) -> list[StatLogger]:
+    """Loggers from any of vLLM's forms: a dict's values, and factories (classes, and
+    callables without a ``record`` method) called as ``factory(config, 0)``, as vLLM
+    calls them with its config and the engine's index. Raises ``ValueError`` for
+    anything that is not a logger."""
+    if loggers is None:
+        return []
+    items = list(loggers.values()) if isinstance(loggers, Mapping) else list(loggers)
+    result: list[StatLogger] = []
+    for item in items:
+        if isinstance(item, type) or (callable(item)
+                                      and not callable(getattr(item, "record", None))):
+            factory: Callable[[Any, int], Any] = item
+            item = factory(config, 0)
+        if not callable(getattr(item, "record", None)):
+            raise ValueError(f"stat_loggers: {item!r} has no record(stats) method")
+        result.append(item)
+    return result
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ __all__ = [
     "SUPPORTED_FAMILIES",
     "build_demo_tokenizer",
     "check_supported",
+    "load_generation_config",
     "load_hf_config",
     "load_model",
     "load_tokenizer",
@@ -42,10 +43,37 @@ CHAT_TEMPLATE = (
 _SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 
-def load_hf_config(model: str, *, trust_remote_code: bool = False) -> PretrainedConfig:
+def _hub(revision: str | None, download_dir: str | None) -> dict[str, Any]:
+    """``from_pretrained``'s keywords for a revision and a download directory."""
+    kwargs: dict[str, Any] = {}
+    if revision is not None:
+        kwargs["revision"] = revision
+    if download_dir is not None:
+        kwargs["cache_dir"] = download_dir
+    return kwargs
+
+
+def load_hf_config(model: str, *, trust_remote_code: bool = False,
+                   revision: str | None = None, download_dir: str | None = None
+                   ) -> PretrainedConfig:
     if model == DEMO_MODEL_NAME:
         return demo_config()
-    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code,
+                                      **_hub(revision, download_dir))
+
+
+def load_generation_config(source: str, *, revision: str | None = None,
+                           download_dir: str | None = None) -> dict[str, Any]:
+    """The non-default fields of ``source``'s ``generation_config.json`` (a model
+    directory or hub id); empty when it has none."""
+    if source == DEMO_MODEL_NAME:
+        return {}
+    try:
+        config = transformers.GenerationConfig.from_pretrained(
+            source, **_hub(revision, download_dir))
+    except OSError:
+        return {}
+    return dict(config.to_diff_dict())
 
 
 def demo_config() -> PretrainedConfig:
@@ -83,6 +111,8 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     trust_remote_code: bool = False,
+    revision: str | None = None,
+    download_dir: str | None = None,
 ) -> PreTrainedModel:
     """Load the model with our attention plugged in, in eval mode, on ``device``."""
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "dtype": dtype}
@@ -97,8 +127,8 @@ def load_model(
             loaded = AutoModelForCausalLM.from_config(hf_config, **kwargs)
     else:
         loaded = AutoModelForCausalLM.from_pretrained(
-            model, config=hf_config, trust_remote_code=trust_remote_code, **kwargs
-        )
+            model, config=hf_config, trust_remote_code=trust_remote_code,
+            **_hub(revision, download_dir), **kwargs)
     check_supported(type(loaded))
     return loaded.to(device).eval()
 
@@ -113,10 +143,13 @@ def _causal_lm_class(hf_config: PretrainedConfig) -> type | None:
     return found if isinstance(found, type) else None
 
 
-def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(name: str, *, trust_remote_code: bool = False,
+                   revision: str | None = None, download_dir: str | None = None
+                   ) -> PreTrainedTokenizerBase:
     if name == DEMO_MODEL_NAME:
         return build_demo_tokenizer()
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code,
+                                         **_hub(revision, download_dir))
 
 
 def train_byte_level_bpe(texts: list[str], vocab_size: int) -> PreTrainedTokenizerBase:

@@ -90,6 +90,8 @@ class TorchModelRunner:
             dtype=self.dtype,
             device=self.device,
             trust_remote_code=model_config.trust_remote_code,
+            revision=model_config.revision,
+            download_dir=model_config.download_dir,
         )
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.compute_threads: ComputeThreads | None = None

@@ -5,7 +5,8 @@
     CORSMiddleware            answers preflights, adds its headers to every response
     └── RequestLifetime       API key, body limit, disconnect → cancel   (middleware.py)
         └── FastAPI           OpenAI-shaped errors                       (errors.py)
-            └── routes/       completions, chat, tokenize, models, health, /generate
+            └── routes/       completions, chat, responses, invocations (SageMaker),
+                              tokenize, models, health, /generate
 
 Each route reads the shared ``ServerState`` (state.py) from the app; requests reach
 the engine through generation.py, streams go out through streaming.py, and fields
@@ -14,7 +15,7 @@ are formatted by formatting.py.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -23,20 +24,33 @@ import triollm
 from triollm.server.errors import add_error_handlers
 from triollm.server.middleware import ASGIApp, RequestLifetime
 from triollm.server.protocol import ErrorResponse
-from triollm.server.routes import chat, completions, generate, health, models, tokenize
+from triollm.server.routes import (
+    chat,
+    completions,
+    generate,
+    health,
+    invocations,
+    models,
+    responses,
+    tokenize,
+)
 from triollm.server.state import ServerState
 
 __all__ = ["build_app"]
 
 
-def build_app(state: ServerState) -> ASGIApp:
-    """The OpenAI-compatible app around a running engine."""
+def build_app(state: ServerState, *, api_docs: bool = True) -> ASGIApp:
+    """The OpenAI-compatible app around a running engine (``api_docs``: serve /docs,
+    /redoc and /openapi.json)."""
+    docs: dict[str, Any] = {} if api_docs else {"docs_url": None, "redoc_url": None,
+                                                 "openapi_url": None}
     app = FastAPI(title="triollm", version=triollm.__version__,
                   description="OpenAI-compatible LLM server",
-                  responses={400: {"model": ErrorResponse}})
+                  responses={400: {"model": ErrorResponse}}, **docs)
     app.state.triollm = state
     add_error_handlers(app)
-    for routes in (health, models, tokenize, completions, chat, generate):
+    for routes in (health, models, tokenize, completions, chat, responses, invocations,
+                   generate):
         app.include_router(routes.router)
     # CORS is outermost: it answers preflight requests itself (they carry no API key)
     # and adds its headers to every response, the 401s and 413s included.

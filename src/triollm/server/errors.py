@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,10 +45,11 @@ class OpenAIError(Exception):
 
 
 def bad_request(error: ValueError) -> OpenAIError:
-    """A 400 naming the field when the message starts with ``field: ...``."""
+    """A 400 naming the field when the message starts with ``field: ...`` (a field path
+    such as ``messages[0].content[1].type`` too)."""
     message = str(error)
     head, sep, _ = message.partition(":")
-    param = head if sep and head.replace("_", "").isalnum() else None
+    param = head if sep and re.fullmatch(r"[A-Za-z_][\w.\[\]]*", head) else None
     return OpenAIError(400, message, param=param)
 
 

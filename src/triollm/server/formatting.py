@@ -22,7 +22,7 @@ from triollm.server.protocol import (
 )
 
 __all__ = ["chat_logprobs", "completion_logprobs", "json_logprob", "prompt_logprobs",
-           "usage", "usage_info", "usage_options"]
+           "token_text", "usage", "usage_info", "usage_options"]
 
 
 def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
@@ -49,12 +49,24 @@ def json_logprob(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
+def token_text(token_id: int, logprob: Logprob | None, as_token_ids: bool,
+               tokenizer: Tokenizer | None = None) -> str:
+    """A logprob entry's token: ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``)
+    or its text."""
+    if as_token_ids:
+        return f"token_id:{token_id}"
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return decode_text(tokenizer, [token_id]) if tokenizer is not None else ""
+
+
 def completion_logprobs(completion: CompletionOutput, start_offset: int,
                         prompt: tuple[list[int], PromptLogprobs] | None = None,
-                        tokenizer: Tokenizer | None = None) -> CompletionLogprobs:
+                        tokenizer: Tokenizer | None = None, as_token_ids: bool = False
+                        ) -> CompletionLogprobs:
     """The completions API's logprobs: the echoed prompt's positions (``prompt``: its
     token ids and logprobs) first, then the completion's, with text offsets from
-    ``start_offset``."""
+    ``start_offset``; tokens as ``token_id:N`` with ``as_token_ids``."""
     result = CompletionLogprobs()
     offset = start_offset
     pairs: list[tuple[int, dict[int, Logprob] | None]] = []
@@ -63,13 +75,12 @@ def completion_logprobs(completion: CompletionOutput, start_offset: int,
     pairs.extend(zip(completion.token_ids, completion.logprobs or [], strict=False))
     for token_id, position in pairs:
         chosen = position.get(token_id) if position else None
-        text = (chosen.decoded_token if chosen and chosen.decoded_token is not None
-                else decode_text(tokenizer, [token_id]) if tokenizer is not None else "")
+        text = token_text(token_id, chosen, as_token_ids, tokenizer)
         result.tokens.append(text)
         result.token_logprobs.append(json_logprob(chosen.logprob) if chosen else None)
         result.top_logprobs.append(
-            {(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in position.values()}
-            if position else None)
+            {token_text(top_id, lp, as_token_ids): json_logprob(lp.logprob)
+             for top_id, lp in position.items()} if position else None)
         result.text_offset.append(offset)
         offset += len(text)
     return result
@@ -86,19 +97,24 @@ def prompt_logprobs(body: CompletionRequest | ChatCompletionRequest,
         for token, lp in position.items()} for position in output.prompt_logprobs or []]
 
 
-def chat_logprobs(completion: CompletionOutput, top: int) -> ChatLogprobs:
+def chat_logprobs(completion: CompletionOutput, top: int, as_token_ids: bool = False
+                  ) -> ChatLogprobs:
+    """The chat API's logprobs, with ``top`` alternatives per token; tokens as
+    ``token_id:N`` with ``as_token_ids``."""
     content = []
     for token_id, position in zip(completion.token_ids, completion.logprobs or [],
                                   strict=False):
         chosen = position.get(token_id)
         if chosen is None:
             continue
-        text = chosen.decoded_token or ""
+        text = token_text(token_id, chosen, as_token_ids)
         ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[:top]
+        alternatives = []
+        for top_id, lp in ranked:
+            top_text = token_text(top_id, lp, as_token_ids)
+            alternatives.append(TopLogprob(token=top_text, logprob=json_logprob(lp.logprob),
+                                           bytes=list(top_text.encode())))
         content.append(ChatTokenLogprob(
             token=text, logprob=json_logprob(chosen.logprob), bytes=list(text.encode()),
-            top_logprobs=[TopLogprob(token=lp.decoded_token or "",
-                                     logprob=json_logprob(lp.logprob),
-                                     bytes=list((lp.decoded_token or "").encode()))
-                          for _, lp in ranked]))
+            top_logprobs=alternatives))
     return ChatLogprobs(content=content)

@@ -61,9 +61,10 @@ def engine_request_id(request_id: str) -> str:
     return f"{request_id}-{secrets.token_hex(6)}"
 
 
-def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None
-              ) -> TokensPrompt:
-    """A prompt as token ids (its text kept), so its length can be checked here."""
+def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None,
+              add_special_tokens: bool = True) -> TokensPrompt:
+    """A prompt as token ids (its text kept), so its length can be checked here;
+    ``add_special_tokens`` as vLLM's completions field (the tokenizer's BOS, for most)."""
     if isinstance(prompt, str):
         try:
             check_text("prompt", prompt)
@@ -71,8 +72,8 @@ def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None
             raise bad_request(error) from error
         if not prompt:
             raise OpenAIError(400, "prompt: must not be empty", param="prompt")
-        ready = TokensPrompt(prompt_token_ids=state.engine.tokenizer.encode(prompt),
-                             prompt=prompt)
+        ready = TokensPrompt(prompt_token_ids=state.engine.tokenizer.encode(
+            prompt, add_special_tokens=add_special_tokens), prompt=prompt)
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ready = TokensPrompt(prompt_token_ids=list(cast(TokensPrompt, prompt)["prompt_token_ids"]))
     else:
@@ -131,7 +132,8 @@ async def submit(state: ServerState, prompts: Sequence[PromptType], params: Samp
     unfinished)."""
     if state.shutting_down:
         raise engine_unavailable(EngineClosedError("shutting down"))
-    ready = [tokenized(state, prompt, body.cache_salt) for prompt in prompts]
+    special = body.add_special_tokens if isinstance(body, CompletionRequest) else True
+    ready = [tokenized(state, prompt, body.cache_salt, special) for prompt in prompts]
     for prompt in ready:
         check_limits(state, prompt, params)
     base_id = engine_request_id(request_id)

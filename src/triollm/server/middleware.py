@@ -120,12 +120,14 @@ class RequestLifetime:
                 500, f"Internal server error: {type(error).__name__}", "InternalServerError"))
 
     def _authorized(self, scope: Scope) -> bool:
-        key = self.state.settings.api_key
-        if key is None or scope.get("path") in OPEN_PATHS:
+        keys = self.state.settings.api_keys
+        if not keys or scope.get("path") in OPEN_PATHS:
             return True
         headers = dict(scope.get("headers") or [])
         given = headers.get(b"authorization", b"")
-        return hmac.compare_digest(given, f"Bearer {key}".encode())
+        # every key is compared, so the time taken does not tell which one was close
+        matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+        return any(matches)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.state.settings.max_request_body_bytes

@@ -1,14 +1,17 @@
 """OpenAI request and response models, with vLLM's extra sampling fields.
 
-Requests are validated by pydantic (unknown fields are ignored, as OpenAI and vLLM do;
-wrong types and out-of-range values are 400s) and turned into ``SamplingParams``, whose
-own validation names the offending field.
+Requests are validated by pydantic (wrong types and out-of-range values are 400s) and
+turned into ``SamplingParams``, whose own validation names the offending field. Every
+field is honoured or refused: vLLM's fields this server does not implement are 400s
+unless they carry their neutral value (``REFUSED_FIELDS``), and fields nobody defines
+(a typo such as ``max_tokns``) are logged as ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +29,37 @@ __all__ = [
     "UsageInfo",
 ]
 
+
+
+#: vLLM request fields this server does not implement, with the values that ask for
+#: nothing (a client that sends one of those loses nothing); any other value is a 400.
+REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False, None), "beam search is not supported"),
+    "length_penalty": ((1.0, 1, None), "applies only to beam search, which is not "
+                                       "supported"),
+    "watermarking": ((None,), "watermarking is not supported"),
+    "logprob_token_ids": ((None, []), "not supported; use logprobs / top_logprobs"),
+    "prompt_embeds": ((None,), "prompt embeddings are not supported"),
+    "reasoning_effort": ((None,), "this server has no reasoning parser"),
+    "thinking_token_budget": ((None,), "this server has no reasoning parser"),
+    "include_reasoning": ((True, None), "this server has no reasoning parser"),
+    "media_io_kwargs": ((None, {}), "this server serves text-only models"),
+    "mm_processor_kwargs": ((None, {}), "this server serves text-only models"),
+    "return_mm_kwargs": ((None, False), "this server serves text-only models"),
+    "mm_payload": (("tensors", None), "this server serves text-only models"),
+    "kv_transfer_params": ((None, {}), "disaggregated serving is not supported"),
+    "ec_transfer_params": ((None, {}), "disaggregated serving is not supported"),
+    "vllm_xargs": ((None, {}), "custom logits processors are not supported"),
+    "repetition_detection": ((None,), "not supported"),
+    "return_token_offsets": ((False, None), "not supported"),
+    "return_prompt_text": ((None, False), "not supported"),
+    "routed_experts_prompt_start": ((0, None), "not supported"),
+    "truncation_side": ((None, "left"), "prompts are truncated on the left only"),
+    "stream_interval": ((None, 1), "every token is streamed as it is produced"),
+    "session_id": ((None,), "sessions are not supported"),
+    "return_token_ids": ((None, False), "not supported; use logprobs with "
+                                        "return_tokens_as_token_ids"),
+}
 
 
 def random_id(prefix: str) -> str:
@@ -48,17 +82,35 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    """The sampling fields shared by completions and chat, with vLLM's extras."""
+class _CheckedRequest(BaseModel):
+    """A request body whose unknown fields are kept, to be refused or reported."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    def refused_or_ignored(self) -> list[str]:
+        """Raise ``ValueError`` for a vLLM field this server does not implement, set to
+        anything but its neutral value; return the names of fields nobody defines."""
+        ignored = []
+        for name, value in (self.model_extra or {}).items():
+            if name in REFUSED_FIELDS:
+                neutral, reason = REFUSED_FIELDS[name]
+                if not any((value == ok and type(value) is type(ok)) or value is ok
+                           for ok in neutral):
+                    raise ValueError(f"{name}: {reason}")
+            else:
+                ignored.append(name)
+        return ignored
+
+
+class _SamplingRequest(_CheckedRequest):
+    """The sampling fields shared by completions and chat, with vLLM's extras."""
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -70,7 +122,6 @@ class _SamplingRequest(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
-    length_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -89,6 +140,9 @@ class _SamplingRequest(BaseModel):
     request_id: str | None = None
     #: vLLM's field: only requests with the same salt share prefix-cache blocks.
     cache_salt: str | None = Field(default=None, min_length=1)
+    #: vLLM's field: logprob tokens as ``token_id:N`` (text that cannot be decoded
+    #: alone, such as part of a UTF-8 character, stays exact).
+    return_tokens_as_token_ids: bool | None = None
     # Structured output (OpenAI's response_format, vLLM's guided_* and
     # structured_outputs) is not implemented. These are refused rather than ignored: a
     # client that asked for JSON would otherwise get free text it then fails to parse.
@@ -113,28 +167,37 @@ class _SamplingRequest(BaseModel):
                 raise ValueError(f"{name}: guided decoding is not supported by this server")
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """``SamplingParams`` for this request (raises ``ValueError`` naming the field).
-        The request's own ``prompt_logprobs`` wins over the one its endpoint derives."""
+        The request's own ``prompt_logprobs`` wins over the one its endpoint derives.
+        Fields the request leaves out take ``defaults`` (the model's generation config)
+        and then vLLM's neutral values."""
         if self.prompt_logprobs is not None:
             if self.stream:
                 raise ValueError("prompt_logprobs: not available when stream is true")
             prompt_logprobs = self.prompt_logprobs
+        defaults = defaults or {}
+
+        def pick(name: str, neutral: float) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
+
+        top_k = pick("top_k", 0)
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None or self.top_k < 0 else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None
-            else self.repetition_penalty,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=0 if top_k < 0 else top_k,
+            min_p=pick("min_p", 0.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens if max_tokens is not None else defaults.get("max_tokens"),
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -178,6 +241,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -205,13 +269,32 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
     echo: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def generation_prompt(self) -> bool:
+        """``add_generation_prompt`` as vLLM reads it: off when the final message is to
+        be continued, unless the request set both (which ``check_supported`` refuses)."""
+        if self.continue_final_message and "add_generation_prompt" not in self.model_fields_set:
+            return False
+        return self.add_generation_prompt
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.continue_final_message and self.add_generation_prompt and (
+                "add_generation_prompt" in self.model_fields_set):
+            raise ValueError("continue_final_message: cannot be set together with "
+                             "add_generation_prompt; set add_generation_prompt to false")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
         # As vLLM: tools without a tool_choice mean "auto". This server has no tool-call
         # parser (vLLM's --enable-auto-tool-choice) and no structured output, so only
         # "none" is served; the tools still reach the chat template.
@@ -344,7 +427,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_CheckedRequest):
     """``POST /tokenize``: a prompt, or chat messages rendered with the template."""
 
     model: str | None = None
@@ -352,6 +435,10 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None  # shown to the chat template, as in vLLM
 
 
@@ -361,7 +448,7 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_CheckedRequest):
     model: str | None = None
     tokens: list[int]
 

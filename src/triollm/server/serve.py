@@ -31,6 +31,7 @@ import math
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -40,6 +41,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from triollm.engine.async_engine import AsyncLLMEngine
+from triollm.engine.chat import ContentFormat
 from triollm.server.app import build_app
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.server.metrics import PrometheusStatLogger
@@ -60,7 +62,10 @@ STUCK_EXIT_SECONDS = 2.0
 class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    #: Listen on this Unix domain socket instead of host and port (vLLM's --uds).
+    uds: str | None = None
+    #: One key or several; a request must present one of them.
+    api_key: str | Sequence[str] | None = None
     served_model_names: tuple[str, ...] = ()
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
@@ -69,8 +74,16 @@ class ServerOptions:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     chat_template: str | None = None
+    chat_template_content_format: ContentFormat = "auto"
+    return_tokens_as_token_ids: bool = False
     cors: CorsSettings = field(default_factory=CorsSettings)
     log_level: str = "info"
+    #: One line per HTTP request, as uvicorn's access log (vLLM's default).
+    access_log: bool = False
+    #: The path prefix a proxy serves the app under (ASGI ``root_path``).
+    root_path: str = ""
+    #: Serve /docs, /redoc and /openapi.json (vLLM's --disable-fastapi-docs turns off).
+    api_docs: bool = True
     handle_signals: bool = True
     #: Seconds between engine statistics log lines (vLLM: 10); None turns them off.
     log_stats_interval: float | None = 10.0
@@ -105,21 +118,28 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
     names = options.served_model_names or (engine.config.model.model,)
     metrics = PrometheusStatLogger(engine, names[0])
     engine.add_stat_logger(metrics)
+    keys = options.api_key
     state = ServerState(engine, ServerSettings(
-        served_model_names=tuple(names), api_key=options.api_key,
+        served_model_names=tuple(names),
+        api_keys=(keys,) if isinstance(keys, str) else tuple(keys or ()),
         max_request_body_bytes=options.max_request_body_bytes,
         max_logprob_entries=options.max_logprob_entries,
-        chat_template=options.chat_template, cors=options.cors), metrics)
-    app = build_app(state)
+        chat_template=options.chat_template,
+        chat_template_content_format=options.chat_template_content_format,
+        return_tokens_as_token_ids=options.return_tokens_as_token_ids,
+        cors=options.cors), metrics)
+    app = build_app(state, api_docs=options.api_docs)
     config = Config()
-    config.bind = [f"{_bracket(options.host)}:{options.port}"]
+    config.bind = ([f"unix:{options.uds}"] if options.uds is not None
+                   else [f"{_bracket(options.host)}:{options.port}"])
+    config.root_path = options.root_path
     config.keyfile = options.ssl_keyfile
     config.certfile = options.ssl_certfile
     # hypercorn cancels its handlers at its own deadline: keep it past ours, so that
     # streams still open at the end of the grace get to write their last events.
     config.graceful_timeout = options.shutdown_grace + FINAL_WORDS_SECONDS + 1.0
     config.loglevel = options.log_level.upper()
-    config.accesslog = None
+    config.accesslog = "-" if options.access_log else None
 
     stop_serving = trio.Event()
     engine_scope = trio.CancelScope()

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 from fastapi import Request
 
-from triollm.engine.inputs import render_chat
+from triollm.engine.chat import ContentFormat, render_chat
 from triollm.server.errors import OpenAIError, bad_request
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from triollm.engine.async_engine import AsyncLLMEngine
     from triollm.server.metrics import PrometheusStatLogger
 
-__all__ = ["CorsSettings", "ServerSettings", "ServerState", "server_state"]
+__all__ = ["ChatRendering", "CorsSettings", "ServerSettings", "ServerState", "server_state"]
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,29 @@ class CorsSettings:
 @dataclass(frozen=True)
 class ServerSettings:
     served_model_names: tuple[str, ...]
-    api_key: str | None = None
+    #: Any of these keys is accepted as ``Authorization: Bearer KEY``; empty: no key.
+    api_keys: tuple[str, ...] = ()
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     chat_template: str | None = None
+    chat_template_content_format: ContentFormat = "auto"
+    #: vLLM's --return-tokens-as-token-ids: logprob tokens as ``token_id:N``.
+    return_tokens_as_token_ids: bool = False
     cors: CorsSettings = CorsSettings()
+
+
+@dataclass(frozen=True)
+class ChatRendering:
+    """How one request's messages go through the chat template (its fields, or the
+    ``/tokenize`` request's)."""
+
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -55,6 +77,8 @@ class ServerState:
     shutting_down: bool = False
     open_requests: int = 0
     idle: anyio.Event = field(default_factory=anyio.Event)
+    #: Warnings given once per server (a field that has no effect under this policy).
+    warned: set[str] = field(default_factory=set)
 
     def request_started(self) -> None:
         if self.open_requests == 0:
@@ -88,19 +112,59 @@ class ServerState:
             body.check_supported()
         except ValueError as error:
             raise bad_request(error) from error
+        self.check_fields(body)
+        policy = self.engine.config.scheduler.policy
+        if policy != "slo" and (body.latency_sensitive or body.slo is not None
+                                or body.ttft_slo is not None):
+            self.warn_once("slo", "is_latency_sensitive, slo and ttft_slo have no effect "
+                                  "under --scheduling-policy %s (only under slo)", policy)
         return model
 
-    def render_chat_or_400(self, messages: list[ChatMessage], chat_template: str | None,
-                           add_generation_prompt: bool, tools: list[dict[str, Any]] | None
+    def check_fields(self, body: Any) -> None:
+        """Refuse vLLM's fields this server does not implement (400) and log the ones
+        nobody defines, as vLLM does."""
+        try:
+            ignored = body.refused_or_ignored()
+        except ValueError as error:
+            raise bad_request(error) from error
+        if ignored:
+            logger.warning("The following fields were present in the request but "
+                           "ignored: %s", sorted(ignored))
+
+    def tokens_as_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
+        """Whether logprob tokens are written ``token_id:N``: the request's field, else
+        the server's flag."""
+        if body.return_tokens_as_token_ids is not None:
+            return body.return_tokens_as_token_ids
+        return self.settings.return_tokens_as_token_ids
+
+    def warn_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            logger.warning(message, *args)
+
+    def render_chat_or_400(self, messages: list[ChatMessage], rendering: ChatRendering
                            ) -> list[int]:
         """Chat messages through the chat template (the request's, the server's or the
         tokenizer's), as token ids. Whatever fails there (a template that rejects the
-        messages, text no tokenizer can encode) is the request's fault: a 400."""
+        messages, a content part a text model cannot take, text no tokenizer can
+        encode) is the request's fault: a 400."""
         try:
-            return render_chat(self.engine.tokenizer,
-                               [m.model_dump(exclude_none=True) for m in messages],
-                               chat_template=chat_template or self.settings.chat_template,
-                               add_generation_prompt=add_generation_prompt, tools=tools)
+            return render_chat(
+                self.engine.tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+                chat_template=rendering.chat_template or self.settings.chat_template,
+                add_generation_prompt=rendering.add_generation_prompt,
+                continue_final_message=rendering.continue_final_message,
+                tools=rendering.tools, documents=rendering.documents,
+                chat_template_kwargs=rendering.chat_template_kwargs,
+                content_format=self.settings.chat_template_content_format,
+                add_special_tokens=rendering.add_special_tokens)
+        except ValueError as error:
+            if str(error).startswith(("messages[", "chat_template_kwargs.",
+                                      "continue_final_message:")):
+                raise bad_request(error) from error
+            raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
+                              param="messages") from error
         except Exception as error:
             raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
                               param="messages") from error

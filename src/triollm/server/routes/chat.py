@@ -34,7 +34,7 @@ from triollm.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from triollm.server.state import server_state
+from triollm.server.state import ChatRendering, server_state
 from triollm.server.streaming import Emit, StreamWriter, respond, run_stream
 
 __all__ = ["router"]
@@ -46,37 +46,59 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
     model = state.check_request(body)
-    token_ids = state.render_chat_or_400(body.messages, body.chat_template,
-                                         body.add_generation_prompt, body.tools)
+    token_ids = state.render_chat_or_400(body.messages, ChatRendering(
+        chat_template=body.chat_template, add_generation_prompt=body.generation_prompt,
+        continue_final_message=body.continue_final_message,
+        add_special_tokens=body.add_special_tokens, tools=body.tools,
+        documents=body.documents, chat_template_kwargs=body.chat_template_kwargs))
     top = body.top_logprobs or 0
     try:
         params = body.sampling_params(
             max_tokens=body.max_completion_tokens or body.max_tokens,
-            logprobs=top if body.logprobs else None)
+            logprobs=top if body.logprobs else None,
+            defaults=state.engine.config.model.generation_defaults)
     except ValueError as error:
         raise bad_request(error) from error
     request_id = request_id_for(request, body, "chatcmpl")
     created = int(time.time())
+    as_token_ids = state.tokens_as_ids(body)
+    echoed = _echoed_text(body)
 
     def build(finals: list[RequestOutput]) -> JSONResponse:
         [final] = finals
         choices = [ChatChoice(
-            index=c.index, message=ChatMessageOut(content=c.text),
-            logprobs=chat_logprobs(c, top) if body.logprobs else None,
+            index=c.index, message=ChatMessageOut(content=echoed + c.text),
+            logprobs=chat_logprobs(c, top, as_token_ids) if body.logprobs else None,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
         return JSONResponse(ChatCompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
             usage=usage([final]), prompt_logprobs=prompt_logprobs(body, final)).model_dump())
 
     def stream(submitted: list[Submitted], opened: list[EngineStream]) -> StreamWriter:
-        return _stream_writer(body, submitted[0], opened, request_id, created, model, top)
+        return _stream_writer(body, submitted[0], opened, request_id, created, model, top,
+                              as_token_ids, echoed)
 
     return await respond(state, [{"prompt_token_ids": token_ids}], params, request_id, body,
                          stream, build)
 
 
+def _echoed_text(body: ChatCompletionRequest) -> str:
+    """With ``echo``, as vLLM: the last message's text when it is the assistant's (the
+    one ``continue_final_message`` continues), which the reply then starts with."""
+    if not body.echo:
+        return ""
+    last = body.messages[-1]
+    if last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(str(part.get("text", "")) for part in last.content
+                     if part.get("type") in ("text", "input_text", "output_text"))
+
+
 def _stream_writer(body: ChatCompletionRequest, item: Submitted, opened: list[EngineStream],
-                   request_id: str, created: int, model: str, top: int) -> StreamWriter:
+                   request_id: str, created: int, model: str, top: int, as_token_ids: bool,
+                   echoed: str) -> StreamWriter:
     include_usage, continuous_usage = usage_options(body)
     counts = {"prompt": len(item.first.prompt_token_ids), "completion": 0}
 
@@ -93,12 +115,16 @@ def _stream_writer(body: ChatCompletionRequest, item: Submitted, opened: list[En
             await emit(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                             content=""))
                               for i in range(body.n)]))
+            if echoed:
+                await emit(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echoed))
+                                  for i in range(body.n)]))
             async for output in outputs(item):
                 for completion in output.outputs:
                     counts["completion"] += len(completion.token_ids)
                     await emit(chunk([ChatStreamChoice(
                         index=completion.index, delta=DeltaMessage(content=completion.text),
-                        logprobs=chat_logprobs(completion, top) if body.logprobs else None,
+                        logprobs=chat_logprobs(completion, top, as_token_ids)
+                        if body.logprobs else None,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason)]))
 

@@ -45,11 +45,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         params = body.sampling_params(
             max_tokens=body.max_tokens, logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None
-            else None)
+            else None, defaults=state.engine.config.model.generation_defaults)
     except ValueError as error:
         raise bad_request(error) from error
     request_id = request_id_for(request, body, "cmpl")
     created = int(time.time())
+    as_token_ids = state.tokens_as_ids(body)
 
     def build(finals: list[RequestOutput]) -> JSONResponse:
         choices = []
@@ -62,7 +63,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                     echoed = None
                     if body.echo:
                         echoed = (output.prompt_token_ids, list(output.prompt_logprobs or []))
-                    logprobs = completion_logprobs(completion, 0, echoed, tokenizer)
+                    logprobs = completion_logprobs(completion, 0, echoed, tokenizer,
+                                                   as_token_ids)
                 if body.echo:
                     text = prompt_text + text
                 choices.append(CompletionChoice(
@@ -75,7 +77,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             usage=usage(finals)).model_dump())
 
     def stream(submitted: list[Submitted], opened: list[EngineStream]) -> StreamWriter:
-        return _stream_writer(state, body, submitted, opened, request_id, created, model)
+        return _stream_writer(state, body, submitted, opened, request_id, created, model,
+                              as_token_ids)
 
     return await respond(state, prompts, params, request_id, body, stream, build)
 
@@ -93,7 +96,7 @@ def _prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[P
 
 def _stream_writer(state: ServerState, body: CompletionRequest, submitted: list[Submitted],
                    opened: list[EngineStream], request_id: str, created: int,
-                   model: str) -> StreamWriter:
+                   model: str, as_token_ids: bool) -> StreamWriter:
     include_usage, continuous_usage = usage_options(body)
     tokenizer = state.engine.tokenizer
 
@@ -123,7 +126,7 @@ def _stream_writer(state: ServerState, body: CompletionRequest, submitted: list[
                         echoed = ((output.prompt_token_ids, list(output.prompt_logprobs or []))
                                   if echo else None)
                         logprobs = completion_logprobs(completion, offsets.get(index, 0),
-                                                       echoed, tokenizer)
+                                                       echoed, tokenizer, as_token_ids)
                     offsets[index] = offsets.get(index, 0) + len(text)
                     event: dict[str, Any] = {
                         "id": request_id, "object": "text_completion", "created": created,

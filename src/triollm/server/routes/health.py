@@ -1,4 +1,5 @@
-"""Health, version and Prometheus metrics: what load balancers and scrapers read."""
+"""Health, version and Prometheus metrics (what load balancers and scrapers read), and
+vLLM's ``/reset_prefix_cache``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 import triollm
+from triollm.server.errors import OpenAIError
 from triollm.server.metrics import CONTENT_TYPE
 from triollm.server.state import server_state
 
@@ -38,3 +40,13 @@ async def version() -> dict[str, str]:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> Response:
+    """Forget every cached prompt prefix: 200, or 409 while running requests hold
+    cached blocks (try again when they finish)."""
+    if not await server_state(request).engine.reset_prefix_cache():
+        raise OpenAIError(409, "The prefix cache cannot be reset while requests hold its "
+                               "blocks; try again when they finish.", type="ConflictError")
+    return Response(status_code=200)

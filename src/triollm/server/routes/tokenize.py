@@ -14,7 +14,7 @@ from triollm.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from triollm.server.state import server_state
+from triollm.server.state import ChatRendering, server_state
 
 __all__ = ["router"]
 
@@ -25,10 +25,23 @@ router = APIRouter()
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = server_state(request)
     state.check_model(body.model)
+    state.check_fields(body)
     tokenizer = state.engine.tokenizer
     if body.messages is not None:
-        tokens = state.render_chat_or_400(body.messages, None, body.add_generation_prompt,
-                                          body.tools)
+        if body.continue_final_message and "add_generation_prompt" in body.model_fields_set \
+                and body.add_generation_prompt:
+            raise OpenAIError(400, "continue_final_message: cannot be set together with "
+                                   "add_generation_prompt", param="continue_final_message")
+        tokens = state.render_chat_or_400(body.messages, ChatRendering(
+            chat_template=body.chat_template,
+            add_generation_prompt=body.add_generation_prompt
+            and not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            # for messages vLLM's default is False (the template writes them)
+            add_special_tokens=body.add_special_tokens and "add_special_tokens"
+            in body.model_fields_set,
+            tools=body.tools, documents=body.documents,
+            chat_template_kwargs=body.chat_template_kwargs))
     elif body.prompt is not None:
         try:
             check_text("prompt", body.prompt)
@@ -45,6 +58,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = server_state(request)
     state.check_model(body.model)
+    state.check_fields(body)
     tokenizer = state.engine.tokenizer
     vocab = int(state.engine.config.model.hf_config.vocab_size)
     if any(not 0 <= t < max(vocab, len(tokenizer)) for t in body.tokens):

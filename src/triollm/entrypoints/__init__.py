@@ -1,0 +1,2 @@
+"""vLLM's entry-point module paths, so its command lines work with only the package
+name changed."""

@@ -1,0 +1,143 @@
+"""``/v1/responses``: OpenAI's Responses API for plain text in and out.
+
+The input (a string, or messages whose content is text) goes through the chat
+template as a chat request would; ``instructions`` become a system message. What
+needs server-side state or tools (``previous_response_id``, ``store``, ``tools``,
+reasoning, streaming) is refused by name.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, ValidationError
+
+from triollm.outputs import RequestOutput
+from triollm.server.errors import OpenAIError, bad_request
+from triollm.server.generation import EngineStream, Submitted
+from triollm.server.protocol import ChatCompletionRequest, ChatMessage, _CheckedRequest, random_id
+from triollm.server.state import ChatRendering, server_state
+from triollm.server.streaming import StreamWriter, respond
+
+__all__ = ["ResponsesRequest", "router"]
+
+router = APIRouter()
+
+
+class ResponsesRequest(_CheckedRequest):
+    """The text subset of ``POST /v1/responses``."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_supported(self) -> None:
+        if self.stream:
+            raise ValueError("stream: streaming is not supported on /v1/responses yet; "
+                             "use /v1/chat/completions to stream")
+        if self.store:
+            raise ValueError("store: this server does not store responses")
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id: this server does not store responses")
+        if self.tools:
+            raise ValueError("tools: this server has no tool-call parser")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: this server has no tool-call parser")
+        if self.reasoning:
+            raise ValueError("reasoning: this server has no reasoning parser")
+        kind = ((self.text or {}).get("format") or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"text.format: type {kind!r} is not supported (no structured "
+                             f"output); only 'text' is")
+
+    def messages(self) -> list[ChatMessage]:
+        """The input as chat messages (``instructions`` first, as a system message)."""
+        messages = []
+        if self.instructions is not None:
+            messages.append(ChatMessage(role="system", content=self.instructions))
+        if isinstance(self.input, str):
+            messages.append(ChatMessage(role="user", content=self.input))
+            return messages
+        for index, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind != "message" or "role" not in item:
+                raise ValueError(f"input[{index}].type: {kind!r} items are not supported; "
+                                 f"send messages with text content")
+            messages.append(ChatMessage(role=item["role"], content=item.get("content")))
+        return messages
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    state = server_state(request)
+    model = state.check_model(body.model)
+    try:
+        body.check_supported()
+        chat = ChatCompletionRequest(model=body.model, messages=body.messages(),
+                                     max_completion_tokens=body.max_output_tokens,
+                                     temperature=body.temperature, top_p=body.top_p)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        where = ".".join(str(p) for p in problem["loc"])
+        raise OpenAIError(400, f"input: not a conversation ({where}: {problem['msg']})",
+                          param="input") from None
+    except ValueError as error:
+        raise bad_request(error) from error
+    state.check_fields(body)
+    token_ids = state.render_chat_or_400(chat.messages, ChatRendering())
+    try:
+        params = chat.sampling_params(max_tokens=body.max_output_tokens, logprobs=None,
+                                      defaults=state.engine.config.model.generation_defaults)
+    except ValueError as error:
+        raise bad_request(error) from error
+    response_id = random_id("resp")
+    created = int(time.time())
+
+    def build(finals: list[RequestOutput]) -> JSONResponse:
+        [final] = finals
+        [completion] = final.outputs
+        prompt_tokens = len(final.prompt_token_ids)
+        output_tokens = len(completion.token_ids)
+        truncated = completion.finish_reason == "length"
+        return JSONResponse({
+            "id": response_id, "object": "response", "created_at": created, "model": model,
+            "status": "incomplete" if truncated else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+            "error": None, "instructions": body.instructions, "metadata": body.metadata or {},
+            "max_output_tokens": body.max_output_tokens,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "output": [{
+                "type": "message", "id": random_id("msg"), "role": "assistant",
+                "status": "incomplete" if truncated else "completed",
+                "content": [{"type": "output_text", "text": completion.text,
+                             "annotations": []}]}],
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": output_tokens,
+                      "total_tokens": prompt_tokens + output_tokens,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}},
+        })
+
+    def no_stream(submitted: list[Submitted], opened: list[EngineStream]) -> StreamWriter:
+        raise AssertionError("streaming is refused above")
+
+    return await respond(state, [{"prompt_token_ids": token_ids}], params, response_id, chat,
+                         no_stream, build)
