@@ -359,3 +359,32 @@ def test_any_of_several_api_keys(server: ThreadedServer) -> None:
                          headers={"Authorization": f"Bearer {key}"}).status_code == 200
     assert httpx.get(server.url + "/v1/models",
                      headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_return_token_ids(server: ThreadedServer) -> None:
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    chat = post(server, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 5, "ignore_eos": True, "return_token_ids": True,
+    }).json()
+    assert chat["prompt_token_ids"] == local_tokens(server, messages)
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"] == 5
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, headers={
+            "Authorization": f"Bearer {KEYS[0]}"}, json={
+            "messages": messages, "max_tokens": 5, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert all("prompt_token_ids" not in event for event in events[1:])
+    streamed = [t for event in events for c in event["choices"] for t in c.get("token_ids", [])]
+    assert streamed == chat["choices"][0]["token_ids"]  # greedy: the model's temperature 0
+
+    body = {"prompt": ["Once upon", "a time"], "max_tokens": 4, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = post(server, "/v1/completions", body).json()
+    tokenizer = server.handle.engine.tokenizer
+    for choice, prompt in zip(whole["choices"], body["prompt"], strict=True):
+        assert choice["prompt_token_ids"] == tokenizer.encode(prompt)
+        assert len(choice["token_ids"]) == 4
+    plain = post(server, "/v1/completions", {**body, "return_token_ids": False}).json()
+    assert plain["choices"][0].get("token_ids") is None

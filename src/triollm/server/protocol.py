@@ -57,8 +57,6 @@ REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "truncation_side": ((None, "left"), "prompts are truncated on the left only"),
     "stream_interval": ((None, 1), "every token is streamed as it is produced"),
     "session_id": ((None,), "sessions are not supported"),
-    "return_token_ids": ((None, False), "not supported; use logprobs with "
-                                        "return_tokens_as_token_ids"),
 }
 
 
@@ -143,6 +141,9 @@ class _SamplingRequest(_CheckedRequest):
     #: vLLM's field: logprob tokens as ``token_id:N`` (text that cannot be decoded
     #: alone, such as part of a UTF-8 character, stays exact).
     return_tokens_as_token_ids: bool | None = None
+    #: vLLM's field: the prompt's and each choice's token ids in the reply (streamed:
+    #: the prompt's in the first event, each event's new tokens in it).
+    return_token_ids: bool = False
     # Structured output (OpenAI's response_format, vLLM's guided_* and
     # structured_outputs) is not implemented. These are refused rather than ignored: a
     # client that asked for JSON would otherwise get free text it then fails to parse.
@@ -343,6 +344,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -379,6 +382,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -389,6 +393,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -402,6 +407,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -411,6 +417,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):

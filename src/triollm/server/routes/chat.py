@@ -69,10 +69,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         choices = [ChatChoice(
             index=c.index, message=ChatMessageOut(content=echoed + c.text),
             logprobs=chat_logprobs(c, top, as_token_ids) if body.logprobs else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids) if body.return_token_ids else None)
+            for c in final.outputs]
         return JSONResponse(ChatCompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
-            usage=usage([final]), prompt_logprobs=prompt_logprobs(body, final)).model_dump())
+            usage=usage([final]), prompt_logprobs=prompt_logprobs(body, final),
+            prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids
+            else None).model_dump())
 
     def stream(submitted: list[Submitted], opened: list[EngineStream]) -> StreamWriter:
         return _stream_writer(body, submitted[0], opened, request_id, created, model, top,
@@ -102,19 +106,23 @@ def _stream_writer(body: ChatCompletionRequest, item: Submitted, opened: list[En
     include_usage, continuous_usage = usage_options(body)
     counts = {"prompt": len(item.first.prompt_token_ids), "completion": 0}
 
-    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None
-              ) -> dict[str, Any]:
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+              prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
         if usage is None and continuous_usage:
             usage = usage_info(counts["prompt"], counts["completion"])
         return ChatCompletionChunk(id=request_id, created=created, model=model,
-                                   choices=choices, usage=usage).model_dump(exclude_none=True)
+                                   choices=choices, usage=usage,
+                                   prompt_token_ids=prompt_token_ids
+                                   ).model_dump(exclude_none=True)
 
     async def write(emit: Emit) -> None:
 
         async def stream_choices() -> None:
             await emit(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                             content=""))
-                              for i in range(body.n)]))
+                              for i in range(body.n)],
+                             prompt_token_ids=list(item.first.prompt_token_ids)
+                             if body.return_token_ids else None))
             if echoed:
                 await emit(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echoed))
                                   for i in range(body.n)]))
@@ -126,7 +134,9 @@ def _stream_writer(body: ChatCompletionRequest, item: Submitted, opened: list[En
                         logprobs=chat_logprobs(completion, top, as_token_ids)
                         if body.logprobs else None,
                         finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason)]))
+                        stop_reason=completion.stop_reason,
+                        token_ids=list(completion.token_ids) if body.return_token_ids
+                        else None)]))
 
         await run_stream(opened, emit, [stream_choices])
         if include_usage:

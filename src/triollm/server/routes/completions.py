@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from typing import Any, cast
 
 from fastapi import APIRouter, Request
@@ -71,7 +72,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                     index=prompt_index * body.n + completion.index, text=text,
                     logprobs=logprobs, finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
-                    prompt_logprobs=prompt_logprobs(body, output)))
+                    prompt_logprobs=prompt_logprobs(body, output),
+                    prompt_token_ids=_ids(body, output.prompt_token_ids),
+                    token_ids=_ids(body, completion.token_ids)))
         return JSONResponse(CompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
             usage=usage(finals)).model_dump())
@@ -92,6 +95,11 @@ def _prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[P
         return [{"prompt_token_ids": list(cast(list[int], prompt))}]
     return [p if isinstance(p, str) else {"prompt_token_ids": list(cast(list[int], p))}
             for p in prompt]
+
+
+def _ids(body: CompletionRequest, tokens: Sequence[int]) -> list[int] | None:
+    """Token ids for vLLM's ``return_token_ids`` fields, when the request asked."""
+    return list(tokens) if body.return_token_ids else None
 
 
 def _stream_writer(state: ServerState, body: CompletionRequest, submitted: list[Submitted],
@@ -116,7 +124,8 @@ def _stream_writer(state: ServerState, body: CompletionRequest, submitted: list[
                     text = completion.text
                     # Each choice's first event carries the prompt, and with logprobs
                     # the prompt tokens' log-probabilities, as in the non-streaming reply.
-                    echo = body.echo and index not in offsets
+                    echo_prompt = index not in offsets  # the choice's first event
+                    echo = body.echo and echo_prompt
                     if echo:
                         text = (output.prompt
                                 or decode_text(tokenizer, output.prompt_token_ids)) + text
@@ -134,7 +143,10 @@ def _stream_writer(state: ServerState, body: CompletionRequest, submitted: list[
                         "choices": [CompletionChoice(
                             index=index, text=text, logprobs=logprobs,
                             finish_reason=completion.finish_reason,
-                            stop_reason=completion.stop_reason).model_dump()]}
+                            stop_reason=completion.stop_reason,
+                            prompt_token_ids=_ids(body, output.prompt_token_ids)
+                            if echo_prompt else None,
+                            token_ids=_ids(body, completion.token_ids)).model_dump()]}
                     if continuous_usage:
                         event["usage"] = usage_info(prompt_tokens, completion_tokens
                                                     ).model_dump()

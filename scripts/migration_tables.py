@@ -1,0 +1,122 @@
+"""Rewrite the flag and request-field tables of docs/migration.md from the code.
+
+    python scripts/migration_tables.py
+
+The rows come from ``triollm serve``'s parser, ``triollm.refused_flags`` and
+``triollm.server.protocol.REFUSED_FIELDS``, for the vLLM names listed in
+tests/vllm_serve_flags.txt and tests/vllm_request_fields.txt; the notes below say what
+a row's help text does not. tests/test_cli.py checks that the guide has every row.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from triollm.cli import build_parser
+from triollm.refused_flags import REFUSED_FLAGS
+from triollm.server.protocol import REFUSED_FIELDS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+DIFFERENT = {
+    "--dtype": "honoured, except `float16`/`half` on CPU, which is refused (about 100x slower "
+               "than bf16 there); `auto` picks bf16 where the CPU has it",
+    "--tensor-parallel-size": "accepted only as 1 (one device); anything else is an error",
+    "--gpu-memory-utilization": "honoured on CUDA; on CPU the KV cache takes "
+                                "`--kv-cache-space-gb` (vLLM: `VLLM_CPU_KVCACHE_SPACE`)",
+    "--uvicorn-log-level": "honoured as the log level of the server (hypercorn serves "
+                           "the app, not uvicorn); `trace` is `debug`",
+    "--disable-uvicorn-access-log": "honoured: hypercorn's access log, one line per request, "
+                                    "is on by default as uvicorn's is in vLLM",
+    "--shutdown-timeout": "honoured as the grace in-flight requests get after SIGINT/SIGTERM "
+                          "(same as triollm's `--shutdown-grace`, default 30 s)",
+    "--scheduling-policy": "honoured: fcfs, priority, and triollm's slo (docs/scheduling.md)",
+    "--log-level": "honoured (any case); Python logging's level for the whole server",
+    "--enable-log-requests": "honoured: off by default as in vLLM; `--disable-log-requests` "
+                             "(vLLM's older flag) still turns it off",
+}
+FIELD_NOTES = {
+    "user": "accepted; recorded nowhere (vLLM does the same)",
+    "parallel_tool_calls": "accepted: this server never produces tool calls",
+    "tools": "honoured: shown to the chat template; only `tool_choice: \"none\"` is served",
+    "tool_choice": "`none` honoured; anything else refused (no tool-call parser)",
+    "response_format": "`{\"type\": \"text\"}` honoured; JSON modes refused (no structured output)",
+    "structured_outputs": "refused (no structured output)",
+    "suffix": "refused",
+    "best_of": "honoured only as 1 or n; anything else refused (vLLM V1 dropped it too)",
+    "logprobs": "honoured",
+    "top_logprobs": "honoured; without `logprobs: true` refused, as OpenAI and vLLM do",
+    "echo": "honoured (chat: the last assistant message starts the reply, as vLLM)",
+    "prompt": "honoured: a string, a list of strings, token ids, lists of token ids",
+    "messages": "honoured: string content or text parts (`--chat-template-content-format`); "
+                "image, audio, video and unknown parts refused by type",
+    "request_id": "honoured: the response's id; made unique inside the engine",
+    "priority": "honoured under `--scheduling-policy priority`",
+    "max_tokens": "honoured; left out, the model's `max_new_tokens`, else the rest of the "
+                  "context (completions: 16, as vLLM)",
+    "stop": "honoured",
+    "add_special_tokens": "honoured",
+    "chat_template": "honoured",
+    "chat_template_kwargs": "honoured (reserved names such as `tokenize` refused)",
+    "documents": "honoured: passed to the chat template",
+    "return_token_ids": "honoured: `prompt_token_ids` and each choice's `token_ids` (streamed: "
+                        "the prompt's in the first event, new tokens in each)",
+    "return_tokens_as_token_ids": "honoured (also `--return-tokens-as-token-ids`)",
+    "continue_final_message": "honoured; together with an explicit "
+                              "`add_generation_prompt: true` refused",
+}
+
+
+def _names(listing: str) -> list[str]:
+    text = (ROOT / "tests" / listing).read_text()
+    return [line for line in text.split("\n") if line and not line.startswith("#")]
+
+
+def flag_table() -> str:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr,index]
+    actions = {name: action for action in serve._actions for name in action.option_strings}
+    rows = ["| vLLM flag | in triollm |", "| --- | --- |"]
+    for flag in _names("vllm_serve_flags.txt"):
+        refused = REFUSED_FLAGS.get(flag)
+        if refused is not None and refused.kind == "switch":
+            status = f"refused (`--no-{flag[2:]}` accepted): {refused.reason}"
+        elif refused is not None and refused.neutral:
+            accepted = " or ".join(f"`{value}`" for value in refused.neutral)
+            status = f"refused unless {accepted}: {refused.reason}"
+        elif refused is not None:
+            status = f"refused: {refused.reason}"
+        elif flag in DIFFERENT:
+            status = DIFFERENT[flag]
+        else:
+            help_text = re.sub(r"\s*\(default: .*\)$", "", actions[flag].help or "").strip()
+            status = f"honoured: {help_text}"
+        rows.append(f"| `{flag}` | {status.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def field_table() -> str:
+    rows = ["| vLLM request field | in triollm |", "| --- | --- |"]
+    for name in _names("vllm_request_fields.txt"):
+        if name in REFUSED_FIELDS:
+            neutral, reason = REFUSED_FIELDS[name]
+            accepted = " or ".join(f"`{json.dumps(value)}`" for value in neutral)
+            status = f"refused unless {accepted}: {reason}"
+        else:
+            status = FIELD_NOTES.get(name, "honoured")
+        rows.append(f"| `{name}` | {status.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    path = ROOT / "docs" / "migration.md"
+    doc = path.read_text()
+    doc = re.sub(r"\| vLLM flag \| in triollm \|\n(\|.*\n)+", flag_table() + "\n", doc)
+    doc = re.sub(r"\| vLLM request field \| in triollm \|\n(\|.*\n)+", field_table() + "\n",
+                 doc)
+    path.write_text(doc)
+
+
+if __name__ == "__main__":
+    main()
