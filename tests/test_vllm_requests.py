@@ -341,7 +341,23 @@ def test_responses_api_text_in_text_out(server: ThreadedServer, client: openai.O
     listed = client.responses.create(model="tiny", max_output_tokens=2, input=[
         {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}])
     assert listed.status in ("completed", "incomplete")
-    for refused in ({"stream": True}, {"previous_response_id": "resp_1"},
+    events = list(client.responses.create(model="tiny", input="Once upon a time",
+                                          instructions="Be brief.", max_output_tokens=5,
+                                          stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert events[-1].response.status == "incomplete"  # type: ignore[union-attr]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    with client.responses.stream(model="tiny", input="Once upon a time",
+                                 instructions="Be brief.", max_output_tokens=5) as stream:
+        final = stream.get_final_response()
+    assert final.output_text == response.output_text
+    for refused in ({"store": True}, {"previous_response_id": "resp_1"},
                     {"tools": [{"type": "web_search"}]}):
         with pytest.raises(openai.BadRequestError):
             client.responses.create(model="tiny", input="hi", **refused)  # type: ignore[arg-type]
@@ -388,3 +404,42 @@ def test_return_token_ids(server: ThreadedServer) -> None:
         assert len(choice["token_ids"]) == 4
     plain = post(server, "/v1/completions", {**body, "return_token_ids": False}).json()
     assert plain["choices"][0].get("token_ids") is None
+
+
+def test_unix_socket_root_path_access_log_and_no_docs(
+        llama_path: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    socket_path = tmp_path / "triollm.sock"
+    args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=128,
+                           num_gpu_blocks_override=64)
+    engine = AsyncLLMEngine.from_engine_args(args)
+    with server_in_thread(engine, uds=str(socket_path), root_path="/api", access_log=True,
+                          api_docs=False):
+        transport = httpx.HTTPTransport(uds=str(socket_path))
+        with httpx.Client(transport=transport, base_url="http://triollm") as http:
+            reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert reply.status_code == 200 and reply.json()["object"] == "text_completion"
+            # behind a proxy that keeps the prefix, the same routes answer under it
+            assert http.get("/api/v1/models").status_code == 200
+            assert http.get("/docs").status_code == 404
+            assert http.get("/openapi.json").status_code == 404
+    assert '"POST /v1/completions' in capfd.readouterr().out
+
+
+def test_requests_are_logged_only_when_asked(llama_path: Path) -> None:
+    common = {"model": str(llama_path), "max_model_len": 128}
+    assert not AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**common)).log_requests
+    assert AsyncLLMEngine.from_engine_args(
+        AsyncEngineArgs(**common, enable_log_requests=True)).log_requests
+    assert not AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+        **common, enable_log_requests=True, disable_log_requests=True)).log_requests
+
+
+def test_content_in_each_format_as_vllm_puts_it() -> None:
+    from triollm.engine.chat import normalize_messages
+
+    messages = [{"role": "user", "content": "plain"}, {"role": "user", "content": PARTS},
+                {"role": "assistant", "content": None}, {"role": "tool", "content": PARTS}]
+    assert [m["content"] for m in normalize_messages(messages, "string")] == [
+        "plain", "Say hi\ntwice", "", "Say hi\ntwice"]
+    assert [m["content"] for m in normalize_messages(messages, "openai")] == [
+        [{"type": "text", "text": "plain"}], PARTS, [], "Say hi\ntwice"]

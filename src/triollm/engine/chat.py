@@ -57,22 +57,32 @@ def _text_of_part(part: object, where: str) -> str:
 
 def normalize_messages(messages: list[dict[str, Any]], content_format: ContentFormat
                        ) -> list[dict[str, Any]]:
-    """Messages whose content parts are checked and put in ``content_format``
-    (``"string"`` or ``"openai"``); string contents stay as they are."""
+    """Messages whose content is put in ``content_format``, as vLLM puts it:
+    ``"string"``: text, the parts joined by newlines; ``"openai"``: a list of
+    ``{"type": "text", "text": ...}`` parts, a string content becoming one part (a tool
+    message's text parts are joined all the same, since templates print tool results
+    as text). A missing content is ``""`` or ``[]``."""
     if content_format not in ("string", "openai"):
         raise ValueError(f"content_format: expected 'string' or 'openai', got "
                          f"{content_format!r}")
     normalized = []
     for index, message in enumerate(messages):
         content = message.get("content")
-        if isinstance(content, list):
+        if content is None:
+            texts: list[str] = []
+        elif isinstance(content, str):
+            texts = [content]
+        elif isinstance(content, list):
             texts = [_text_of_part(part, f"messages[{index}].content[{number}]")
                      for number, part in enumerate(content)]
-            message = dict(message)
-            if content_format == "string":
-                message["content"] = "\n".join(texts)
-            else:
-                message["content"] = [{"type": "text", "text": text} for text in texts]
+        else:
+            raise ValueError(f"messages[{index}].content: expected a string or a list of "
+                             f"content parts")
+        message = dict(message)
+        if content_format == "string" or message.get("role") == "tool":
+            message["content"] = "\n".join(texts)
+        else:
+            message["content"] = [{"type": "text", "text": text} for text in texts]
         normalized.append(message)
     return normalized
 

@@ -1,9 +1,10 @@
 """``/v1/responses``: OpenAI's Responses API for plain text in and out.
 
 The input (a string, or messages whose content is text) goes through the chat
-template as a chat request would; ``instructions`` become a system message. What
-needs server-side state or tools (``previous_response_id``, ``store``, ``tools``,
-reasoning, streaming) is refused by name.
+template as a chat request would; ``instructions`` become a system message. Streamed,
+the reply is OpenAI's event sequence (``response.created`` ... ``response.output_text
+.delta`` ... ``response.completed``). What needs server-side state or tools
+(``previous_response_id``, ``store``, ``tools``, reasoning) is refused by name.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from pydantic import Field, ValidationError
 
 from triollm.outputs import RequestOutput
 from triollm.server.errors import OpenAIError, bad_request
-from triollm.server.generation import EngineStream, Submitted
+from triollm.server.generation import EngineStream, Submitted, outputs
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, _CheckedRequest, random_id
 from triollm.server.state import ChatRendering, server_state
-from triollm.server.streaming import StreamWriter, respond
+from triollm.server.streaming import Emit, StreamWriter, respond, run_stream
 
 __all__ = ["ResponsesRequest", "router"]
 
@@ -49,9 +50,6 @@ class ResponsesRequest(_CheckedRequest):
     parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
-        if self.stream:
-            raise ValueError("stream: streaming is not supported on /v1/responses yet; "
-                             "use /v1/chat/completions to stream")
         if self.store:
             raise ValueError("store: this server does not store responses")
         if self.previous_response_id is not None:
@@ -92,7 +90,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         body.check_supported()
         chat = ChatCompletionRequest(model=body.model, messages=body.messages(),
                                      max_completion_tokens=body.max_output_tokens,
-                                     temperature=body.temperature, top_p=body.top_p)
+                                     temperature=body.temperature, top_p=body.top_p,
+                                     stream=body.stream)
     except ValidationError as error:
         problem = error.errors()[0]
         where = ".".join(str(p) for p in problem["loc"])
@@ -108,36 +107,89 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     except ValueError as error:
         raise bad_request(error) from error
     response_id = random_id("resp")
+    message_id = random_id("msg")
     created = int(time.time())
 
-    def build(finals: list[RequestOutput]) -> JSONResponse:
-        [final] = finals
-        [completion] = final.outputs
-        prompt_tokens = len(final.prompt_token_ids)
-        output_tokens = len(completion.token_ids)
-        truncated = completion.finish_reason == "length"
-        return JSONResponse({
+    def response(status: str, text: str, prompt_tokens: int, output_tokens: int,
+                 finish_reason: str | None) -> dict[str, Any]:
+        truncated = finish_reason == "length"
+        if status == "completed" and truncated:
+            status = "incomplete"
+        return {
             "id": response_id, "object": "response", "created_at": created, "model": model,
-            "status": "incomplete" if truncated else "completed",
+            "status": status,
             "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
             "error": None, "instructions": body.instructions, "metadata": body.metadata or {},
             "max_output_tokens": body.max_output_tokens,
             "temperature": params.temperature, "top_p": params.top_p,
             "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
             "text": {"format": {"type": "text"}}, "truncation": "disabled",
-            "output": [{
-                "type": "message", "id": random_id("msg"), "role": "assistant",
-                "status": "incomplete" if truncated else "completed",
-                "content": [{"type": "output_text", "text": completion.text,
-                             "annotations": []}]}],
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": output_tokens,
-                      "total_tokens": prompt_tokens + output_tokens,
-                      "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens_details": {"reasoning_tokens": 0}},
-        })
+            "output": [] if status == "in_progress" else [message(status, text)],
+            "usage": None if status == "in_progress" else {
+                "input_tokens": prompt_tokens, "output_tokens": output_tokens,
+                "total_tokens": prompt_tokens + output_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0}},
+        }
 
-    def no_stream(submitted: list[Submitted], opened: list[EngineStream]) -> StreamWriter:
-        raise AssertionError("streaming is refused above")
+    def message(status: str, text: str | None) -> dict[str, Any]:
+        return {"type": "message", "id": message_id, "role": "assistant", "status": status,
+                "content": [] if text is None else [text_part(text)]}
+
+    def text_part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def build(finals: list[RequestOutput]) -> JSONResponse:
+        [final] = finals
+        [completion] = final.outputs
+        return JSONResponse(response("completed", completion.text,
+                                     len(final.prompt_token_ids), len(completion.token_ids),
+                                     completion.finish_reason))
+
+    def stream(submitted: list[Submitted], opened: list[EngineStream]) -> StreamWriter:
+        [item] = submitted
+        prompt_tokens = len(item.first.prompt_token_ids)
+
+        async def write(emit: Emit) -> None:
+            sequence = iter(range(1 << 62))
+
+            async def event(kind: str, **fields: Any) -> None:
+                await emit({"type": kind, "sequence_number": next(sequence), **fields})
+
+            where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+
+            async def deltas() -> None:
+                texts: list[str] = []
+                tokens = 0
+                finish_reason = None
+                await event("response.created",
+                            response=response("in_progress", "", prompt_tokens, 0, None))
+                await event("response.in_progress",
+                            response=response("in_progress", "", prompt_tokens, 0, None))
+                await event("response.output_item.added", output_index=0,
+                            item=message("in_progress", None))
+                await event("response.content_part.added", **where, part=text_part(""))
+                async for output in outputs(item):
+                    [completion] = output.outputs
+                    tokens += len(completion.token_ids)
+                    finish_reason = completion.finish_reason or finish_reason
+                    if completion.text:
+                        texts.append(completion.text)
+                        await event("response.output_text.delta", **where,
+                                    delta=completion.text, logprobs=[])
+                text = "".join(texts)
+                done = response("completed", text, prompt_tokens, tokens, finish_reason)
+                await event("response.output_text.done", **where, text=text, logprobs=[])
+                await event("response.content_part.done", **where, part=text_part(text))
+                await event("response.output_item.done", output_index=0,
+                            item=done["output"][0])
+                # as vLLM: "completed" ends every stream; a reply cut at
+                # max_output_tokens says "incomplete" in its status
+                await event("response.completed", response=done)
+
+            await run_stream(opened, emit, [deltas])
+
+        return write
 
     return await respond(state, [{"prompt_token_ids": token_ids}], params, response_id, chat,
-                         no_stream, build)
+                         stream, build)
