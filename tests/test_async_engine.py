@@ -380,3 +380,15 @@ async def test_abort_takes_an_iterable_of_ids() -> None:
                 last = [o async for o in stream][-1]
             assert last.outputs[0].finish_reason == "abort"
         assert_idle(engine)
+
+
+async def test_trace_headers_without_tracing_are_reported_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    engine, _ = make_engine()
+    headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    async with engine:
+        for request_id in ("t1", "t2"):
+            outputs = [o async for o in engine.generate(
+                {"prompt_token_ids": [1, 2]}, params(2), request_id, trace_headers=headers)]
+            assert outputs[-1].finished
+    assert caplog.text.count("tracing is not enabled") == 1

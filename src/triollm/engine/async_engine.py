@@ -93,6 +93,7 @@ class AsyncLLMEngine:
         self._num_steps = 0
         self._task_group: anyio.abc.TaskGroup | None = None
         self._stat_loggers: list[StatLogger] = stat_logger_list(stat_loggers, config)
+        self._warned_tracing = False
 
     @classmethod
     def from_engine_args(
@@ -286,6 +287,11 @@ class AsyncLLMEngine:
             raise ValueError("lora_request: LoRA adapters are not supported yet")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
+        if trace_headers and not self._warned_tracing:
+            # as vLLM when no OTLP endpoint is set: said once, the request goes on
+            self._warned_tracing = True
+            logger.warning("Received a request with trace headers, but tracing is not "
+                           "enabled (this engine exports no traces); they are not used.")
         channel = self._add_request(prompt, sampling_params, request_id, priority,
                                     is_latency_sensitive, slo, ttft_slo)
         finished = False
