@@ -1,6 +1,7 @@
-"""Decode attention on CPU: the compiled kernel that reads KV blocks in place agrees with
-gathering the blocks and calling SDPA, and the engine falls back to the gather path when
-compiling is off (``enforce_eager``) or fails."""
+"""Decode attention on CPU: the C kernel and the compiled kernel that read KV blocks in
+place agree with gathering the blocks and calling SDPA, and the engine falls back (C
+kernel → compiled kernel → gather path) when building is off (``enforce_eager``) or
+fails."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from triollm import LLM, SamplingParams
-from triollm.model import torch_runner
+from triollm.model import cpu_decode, torch_runner
 from triollm.model.attention import (
     DecodeGroup,
     KVCacheSpec,
@@ -27,16 +28,17 @@ BLOCK = 4
 
 
 def _decode_outputs(lens: list[int], kv_heads: int, q_heads: int, sliding_window: int | None,
-                    softcap: float | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    softcap: float | None, seed: int, kernel: object,
+                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention layer's output for single-token queries of contexts ``lens``, with
-    the compiled kernel and with the gather path, over the same cache."""
+    ``kernel`` and with the gather path, over the same cache."""
     generator = torch.Generator().manual_seed(seed)
     module = torch.nn.Module()
     dim = 8
     cache = PagedKVCache({id(module): KVCacheSpec(kv_heads, dim)}, num_blocks=64,
-                         block_size=BLOCK, dtype=torch.float32, device=torch.device("cpu"))
-    cache.keys[0].normal_(generator=generator)
-    cache.values[0].normal_(generator=generator)
+                         block_size=BLOCK, dtype=dtype, device=torch.device("cpu"))
+    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=generator))
+    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=generator))
     widths = [-(-n // BLOCK) for n in lens]
     blocks = torch.randperm(64, generator=generator).tolist()
     tables = []
@@ -51,9 +53,9 @@ def _decode_outputs(lens: list[int], kv_heads: int, q_heads: int, sliding_window
     key = torch.randn(1, kv_heads, tokens, dim, generator=generator)
     value = torch.randn(1, kv_heads, tokens, dim, generator=generator)
     outputs = []
-    for kernel in (compiled_paged_decode_attention, None):
+    for each in (kernel, None):
         metadata = PagedAttentionMetadata(kv_cache=cache, slot_mapping=torch.tensor(slots),
-                                          decode_groups=[group], decode_kernel=kernel)
+                                          decode_groups=[group], decode_kernel=each)  # type: ignore[arg-type]
         out, _ = paged_attention_forward(module, query, key, value, None, scaling=0.3,
                                          sliding_window=sliding_window, softcap=softcap,
                                          triollm_metadata=metadata)
@@ -68,12 +70,20 @@ def _decode_outputs(lens: list[int], kv_heads: int, q_heads: int, sliding_window
     ([17, 16, 3], 2, 4, 5, None),  # sliding window shorter than the contexts
     ([11, 2], 1, 3, None, 7.5),  # logit softcap
 ])
-def test_compiled_kernel_matches_the_gather_path(lens: list[int], kv_heads: int, q_heads: int,
-                                                 sliding_window: int | None,
-                                                 softcap: float | None) -> None:
+@pytest.mark.parametrize("kernel", ["c", "compiled"])
+def test_kernels_match_the_gather_path(lens: list[int], kv_heads: int, q_heads: int,
+                                       sliding_window: int | None, softcap: float | None,
+                                       kernel: str) -> None:
+    chosen = cpu_decode.load_kernel() if kernel == "c" else compiled_paged_decode_attention
+    assert chosen is not None, "this machine has a C compiler: the kernel must build"
     fused, gathered = _decode_outputs(lens, kv_heads, q_heads, sliding_window, softcap,
-                                      seed=len(lens))
+                                      seed=len(lens), kernel=chosen)
     torch.testing.assert_close(fused, gathered, atol=2e-5, rtol=1e-5)
+    if kernel == "c":  # a bf16 cache, read as bf16 and computed in fp32
+        fused, gathered = _decode_outputs(lens, kv_heads, q_heads, sliding_window, softcap,
+                                          seed=len(lens), kernel=chosen,
+                                          dtype=torch.bfloat16)
+        torch.testing.assert_close(fused, gathered, atol=2e-5, rtol=1e-5)
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -83,17 +93,27 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_enforce_eager_uses_the_gather_path_with_the_same_answers(llama_path: Path) -> None:
-    compiled = LLM(str(llama_path), dtype="float32", max_model_len=128)
-    eager = LLM(str(llama_path), dtype="float32", max_model_len=128, enforce_eager=True)
-    assert compiled.engine.runner.decode_kernel is not None  # type: ignore[attr-defined]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_enforce_eager_uses_the_gather_path_with_the_same_answers(llama_path: Path,
+                                                                  dtype: str) -> None:
+    built = LLM(str(llama_path), dtype=dtype, max_model_len=128)
+    eager = LLM(str(llama_path), dtype=dtype, max_model_len=128, enforce_eager=True)
+    runner = built.engine.runner  # type: ignore[attr-defined]
+    assert isinstance(runner.decode_kernel, cpu_decode.CpuDecodeKernel)
+    # the C kernel reads the cache in the model's dtype; the gather path needs fp32
+    assert runner.kv_cache.keys[0].dtype == getattr(torch, dtype)
     assert eager.engine.runner.decode_kernel is None  # type: ignore[attr-defined]
-    assert _generate(compiled) == _generate(eager)
+    assert eager.engine.runner.kv_cache.keys[0].dtype == torch.float32  # type: ignore[attr-defined]
+    assert _generate(built) == _generate(eager)
 
 
-def test_a_failed_compile_falls_back_to_the_gather_path(
+def test_without_the_c_kernel_the_compiled_one_then_the_gather_path(
         llama_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(torch_runner, "load_kernel", lambda: None)
+    llm = LLM(str(llama_path), dtype="float32", max_model_len=128)
+    assert llm.engine.runner.decode_kernel is compiled_paged_decode_attention  # type: ignore[attr-defined]
+
     def broken(*args: object) -> torch.Tensor:
         raise RuntimeError("no C++ compiler here")
 
@@ -104,6 +124,29 @@ def test_a_failed_compile_falls_back_to_the_gather_path(
     assert "no C++ compiler here" in caplog.text
     eager = LLM(str(llama_path), dtype="float32", max_model_len=128, enforce_eager=True)
     assert _generate(llm) == _generate(eager)
+
+
+def test_a_kernel_that_does_not_build_is_reported_and_skipped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("TRIOLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cpu_decode.load_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
+            assert cpu_decode.load_kernel() is None
+        assert "building the CPU decode attention kernel failed" in caplog.text
+    finally:
+        cpu_decode.load_kernel.cache_clear()
+
+
+def test_the_kernel_builds_into_a_cache_keyed_by_the_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRIOLLM_CACHE", str(tmp_path))
+    first = cpu_decode._build()
+    assert first.parent == tmp_path / "kernels" and cpu_decode._build() == first
+    monkeypatch.setattr(cpu_decode, "_cpu_signature", lambda: "model name: another CPU")
+    assert cpu_decode._build() != first
 
 
 @given(widths=st.lists(st.integers(1, 80), max_size=40), padding_blocks=st.integers(0, 40))

@@ -67,7 +67,7 @@ _HELP = {
     "max_logprobs": "the most logprobs or prompt_logprobs one request may ask for; -1: "
                     "the whole vocabulary",
     "enforce_eager": "compile nothing (on CPU, decode attention then gathers KV blocks "
-                     "instead of the torch.compile'd kernel)",
+                     "instead of running the C or torch.compile'd kernel)",
     "cpu_threads": "compute threads on CPU; default: all usable cores, fewer while other "
                    "processes keep some busy (docs/api.md)",
     "tensor_parallel_size": "number of GPUs (only 1 for now)",

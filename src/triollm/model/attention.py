@@ -308,12 +308,14 @@ def paged_attention_forward(
         raise RuntimeError("paged attention called without a KV cache")
     key_cache, value_cache = meta.kv_cache.layer(module)
     heads, _, _, dim = key_cache.shape
-    # Attention computes in the cache's dtype (fp32 on CPU, where SDPA is ~3x faster
-    # than in bf16); the result goes back to the model's dtype.
+    # Attention computes in fp32 on CPU (where SDPA is ~3x faster than in bf16), else
+    # in the cache's dtype; the cache may be narrower (bf16 on CPU, read by the C
+    # decode kernel); the result goes back to the model's dtype.
     model_dtype = q.dtype
-    q, k, v = q.to(key_cache.dtype), k.to(key_cache.dtype), v.to(key_cache.dtype)
-    key_cache.view(heads, -1, dim).index_copy_(1, meta.slot_mapping, k)
-    value_cache.view(heads, -1, dim).index_copy_(1, meta.slot_mapping, v)
+    compute = torch.float32 if key_cache.device.type == "cpu" else key_cache.dtype
+    key_cache.view(heads, -1, dim).index_copy_(1, meta.slot_mapping, k.to(key_cache.dtype))
+    value_cache.view(heads, -1, dim).index_copy_(1, meta.slot_mapping, v.to(key_cache.dtype))
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)
 
     out = torch.empty_like(q)
     block_size = key_cache.shape[2]
@@ -327,8 +329,10 @@ def paged_attention_forward(
         batch, max_blocks = group.block_tables.shape
         flat = group.block_tables.reshape(-1)
         length = max_blocks * block_size
-        gathered_k = meta.kv_cache.gather(key_cache, flat, "k").view(heads, batch, length, dim)
-        gathered_v = meta.kv_cache.gather(value_cache, flat, "v").view(heads, batch, length, dim)
+        gathered_k = meta.kv_cache.gather(key_cache, flat, "k").view(
+            heads, batch, length, dim).to(compute)
+        gathered_v = meta.kv_cache.gather(value_cache, flat, "v").view(
+            heads, batch, length, dim).to(compute)
         decode_q = q[:, group.start:group.end].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
         decode_out = _attend(decode_q, gathered_k.transpose(0, 1), gathered_v.transpose(0, 1),
                              group.mask(sliding_window, block_size), scale, softcap)
@@ -339,8 +343,10 @@ def paged_attention_forward(
             chunk_k = k[:, chunk.query_start:chunk.query_end]
             chunk_v = v[:, chunk.query_start:chunk.query_end]
         else:
-            chunk_k = key_cache[:, chunk.block_ids].view(heads, -1, dim)[:, : chunk.context_len]
-            chunk_v = value_cache[:, chunk.block_ids].view(heads, -1, dim)[:, : chunk.context_len]
+            chunk_k = key_cache[:, chunk.block_ids].view(heads, -1, dim)[
+                :, : chunk.context_len].to(compute)
+            chunk_v = value_cache[:, chunk.block_ids].view(heads, -1, dim)[
+                :, : chunk.context_len].to(compute)
         mask = meta.prefill_mask(index, sliding_window)
         chunk_out = _attend(chunk_q[None], chunk_k[None], chunk_v[None], mask, scale, softcap)
         out[:, chunk.query_start:chunk.query_end] = chunk_out[0]

@@ -26,6 +26,7 @@ from triollm.model.attention import (
     ProfileRecorder,
     compiled_paged_decode_attention,
 )
+from triollm.model.cpu_decode import CpuDecodeKernel, load_kernel
 from triollm.model.cpu_threads import ComputeThreads
 from triollm.model.loader import load_model
 from triollm.model.packed_linear import pack_linear_layers
@@ -79,9 +80,15 @@ class TorchModelRunner:
         model_config = config.model
         self.device = model_config.device
         self.dtype = model_config.dtype
-        # On CPU, attention over the cache runs several times faster in fp32 than in
-        # bf16 (the CPU SDPA kernels), at twice the cache memory per token.
-        self.cache_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        # On CPU attention computes in fp32 (the CPU SDPA kernels run several times
+        # faster in fp32 than in bf16). The cache keeps the model's dtype where the C
+        # decode kernel reads it (bf16 keys and values lose nothing stored as bf16, and
+        # take half the memory); without that kernel, decode gathers blocks for SDPA,
+        # so the cache is fp32 too.
+        self.cpu_kernel = (load_kernel() if self.device.type == "cpu"
+                           and not model_config.enforce_eager else None)
+        self.cache_dtype = (torch.float32 if self.device.type == "cpu"
+                            and self.cpu_kernel is None else self.dtype)
         self.block_size = config.cache.block_size
         self.model = load_model(
             model_config.model,
@@ -134,9 +141,23 @@ class TorchModelRunner:
 
     @torch.inference_mode()
     def _compile_decode_attention(self, specs: dict[int, KVCacheSpec]) -> DecodeKernel | None:
-        """Compile the fused decode attention now, for every layer's shape, with a
-        forward of two dummy decodes (block 0's slots get overwritten before any
-        request reads them). A failure (no C++ compiler, say) leaves the gather path."""
+        """The CPU decode attention: the C kernel (cpu_decode.py) where it builds, else
+        ``torch.compile``'d ``paged_decode_attention``, compiled now for every layer's
+        shape with a forward of two dummy decodes (block 0's slots get overwritten
+        before any request reads them). Either is checked by that forward; a failure
+        (no C compiler, say) leaves the gather path."""
+        kernel = self.cpu_kernel
+        if kernel is not None and self._try_decode_kernel(kernel, specs):
+            return kernel
+        if self.cache_dtype != torch.float32:
+            # checked against torch when it loaded, so this is a bug, not a toolchain
+            raise RuntimeError(f"the CPU decode kernel failed its first run; the "
+                               f"{self.cache_dtype} cache has no other decode path")
+        if self._try_decode_kernel(compiled_paged_decode_attention, specs):
+            return compiled_paged_decode_attention
+        return None
+
+    def _try_decode_kernel(self, kernel: DecodeKernel, specs: dict[int, KVCacheSpec]) -> bool:
         # torch.compile ties sizes that are equal when it compiles ("duck sizing") and
         # compiles again once they differ, so the dummy batch and table width must not
         # equal any of the cache's or the model's dimensions.
@@ -149,17 +170,18 @@ class TorchModelRunner:
             slot_mapping=torch.arange(rows, dtype=torch.long, device=self.device),
             decode_groups=self._decode_groups([[0] * columns] * rows,
                                               list(range(rows, 0, -1))),
-            decode_kernel=compiled_paged_decode_attention,
+            decode_kernel=kernel,
         )
         try:
             self.model(input_ids=torch.zeros(1, rows, dtype=torch.long, device=self.device),
                        position_ids=torch.arange(rows - 1, -1, -1, device=self.device)[None],
                        use_cache=False, logits_to_keep=1, triollm_metadata=metadata)
         except Exception as error:  # compilation needs a working C++ toolchain
-            logger.warning("compiling the decode attention failed (%s: %s); running it "
-                           "eagerly", type(error).__name__, error)
-            return None
-        return compiled_paged_decode_attention
+            logger.warning("the decode attention %s failed (%s: %s)",
+                           getattr(kernel, "__name__", type(kernel).__name__),
+                           type(error).__name__, error)
+            return False
+        return True
 
     def _num_blocks(self, specs: dict[int, KVCacheSpec]) -> int:
         cache = self.config.cache
@@ -291,7 +313,13 @@ class TorchModelRunner:
         )
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
-        padding_keys = _KERNEL_PADDING_KEYS if self.decode_kernel is not None else 0
+        if isinstance(self.decode_kernel, CpuDecodeKernel):
+            # it reads each row's own blocks only: one call for every decode
+            padding_keys = 1 << 40
+        elif self.decode_kernel is not None:
+            padding_keys = _KERNEL_PADDING_KEYS
+        else:
+            padding_keys = 0
         groups = []
         for start, end in decode_spans([len(t) for t in tables], padding_keys // self.block_size):
             width = len(tables[start])
