@@ -1,9 +1,11 @@
-"""Decode attention alone: the compiled kernel that reads KV blocks in place against
-gathering the blocks and calling SDPA (the ``enforce_eager`` path), on the same cache.
+"""Decode attention alone: the C kernel (model/cpu_decode.py, over an fp32 and a bf16
+cache) and the compiled kernel, which read KV blocks in place, against gathering the
+blocks and calling SDPA (the ``enforce_eager`` path), on the same cache.
 
-One attention layer of the benchmarks' Llama (12 heads of 64, fp32 cache as on CPU,
-16-token blocks), ``B`` single-token queries over contexts of ``L`` tokens in blocks
-scattered over a 4,096-block cache. Median of ``--repeats`` timings of each call.
+One attention layer of the benchmarks' Llama (12 heads of 64, 16-token blocks), ``B``
+single-token queries over contexts of ``L`` tokens in blocks scattered over a
+4,096-block cache; the whole layer's call (cache write included), as the model makes
+it. Median of ``--repeats`` timings of each call.
 
     python benchmarks/decode_attention.py
     python benchmarks/decode_attention.py --mixed 304,160,64 300,200,120,50
@@ -21,7 +23,7 @@ import functools
 import torch
 
 from common import timed
-from triollm.model import torch_runner
+from triollm.model import cpu_decode, torch_runner
 from triollm.model.attention import (
     DecodeGroup,
     KVCacheSpec,
@@ -56,12 +58,20 @@ def main() -> None:
                          torch.device("cpu"))
     cache.keys[0].normal_()
     cache.values[0].normal_()
+    bf16_cache = PagedKVCache({id(module): KVCacheSpec(HEADS, DIM)}, BLOCKS, BLOCK,
+                              torch.bfloat16, torch.device("cpu"))
+    bf16_cache.keys[0].copy_(cache.keys[0])
+    bf16_cache.values[0].copy_(cache.values[0])
+    kernel = cpu_decode.load_kernel()
+    if kernel is None:
+        raise SystemExit("the C decode kernel did not build here (see the warning above)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; one layer, "
-          f"{HEADS} heads x {DIM}, fp32 cache; median of {args.repeats}")
+          f"{HEADS} heads x {DIM}; median of {args.repeats}")
     if args.mixed:
         mixed(module, cache, args.mixed, args.repeats)
         return
-    print(f"{'batch x context':>16} {'gather + SDPA':>14} {'compiled':>10} {'speed-up':>9}")
+    print(f"{'batch x context':>16} {'gather + SDPA':>14} {'compiled':>10} {'C fp32':>10} "
+          f"{'C bf16':>10} {'C bf16 vs compiled':>19}")
     for shape in args.shapes:
         batch, context = map(int, shape.split("x"))
         width = -(-context // BLOCK)
@@ -72,14 +82,16 @@ def main() -> None:
         value = torch.randn(1, HEADS, batch, DIM)
         slots = group.block_tables[:, -1] * BLOCK + (context - 1) % BLOCK
         results = {}
-        for label, kernel in (("gather", None), ("compiled", compiled_paged_decode_attention)):
-            metadata = PagedAttentionMetadata(kv_cache=cache, slot_mapping=slots,
-                                              decode_groups=[group], decode_kernel=kernel)
-
+        for label, each, on in (("gather", None, cache),
+                                ("compiled", compiled_paged_decode_attention, cache),
+                                ("C fp32", kernel, cache), ("C bf16", kernel, bf16_cache)):
+            metadata = PagedAttentionMetadata(kv_cache=on, slot_mapping=slots,
+                                              decode_groups=[group], decode_kernel=each)
             results[label] = timed(functools.partial(
                 _forward, module, query, key, value, metadata), args.repeats)
         print(f"{shape:>16} {results['gather'] * 1e3:11.3f} ms {results['compiled'] * 1e3:7.3f} ms"
-              f" {results['gather'] / results['compiled']:8.2f}x", flush=True)
+              f" {results['C fp32'] * 1e3:7.3f} ms {results['C bf16'] * 1e3:7.3f} ms"
+              f" {results['compiled'] / results['C bf16']:18.2f}x", flush=True)
 
 
 def mixed(module: torch.nn.Module, cache: PagedKVCache, steps: list[str], repeats: int) -> None:
