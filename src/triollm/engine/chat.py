@@ -11,8 +11,10 @@ models, so any other part type (an image, audio, video) is refused by name.
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 if TYPE_CHECKING:
@@ -143,11 +145,31 @@ def _loop_targets(root: jinja2.nodes.Template, names: set[str], key: str | None 
             yield loop.target.name
 
 
-@lru_cache(maxsize=32)
+#: Detected formats by the template's SHA-256: a request may send its own template, so
+#: the cache keeps digests, not the (possibly large) texts.
+_DETECTED: OrderedDict[str, ContentFormat] = OrderedDict()
+_DETECTED_MAX = 64
+_DETECTED_LOCK = threading.Lock()
+
+
 def detect_content_format(chat_template: str) -> ContentFormat:
     """``"openai"`` when the template loops over a message's content (directly, or
     through a variable assigned from it), else ``"string"``; ``"string"`` too for a
     template that does not parse."""
+    key = hashlib.sha256(chat_template.encode("utf-8", "surrogatepass")).hexdigest()
+    with _DETECTED_LOCK:
+        if key in _DETECTED:
+            _DETECTED.move_to_end(key)
+            return _DETECTED[key]
+    found = _detect(chat_template)
+    with _DETECTED_LOCK:
+        _DETECTED[key] = found
+        while len(_DETECTED) > _DETECTED_MAX:
+            _DETECTED.popitem(last=False)
+    return found
+
+
+def _detect(chat_template: str) -> ContentFormat:
     import jinja2
     import jinja2.ext
 

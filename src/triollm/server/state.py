@@ -15,11 +15,11 @@ from triollm.server.errors import OpenAIError, bad_request
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
-logger = logging.getLogger(__name__)
-
 if TYPE_CHECKING:
     from triollm.engine.async_engine import AsyncLLMEngine
     from triollm.server.metrics import PrometheusStatLogger
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ChatRendering", "CorsSettings", "ServerSettings", "ServerState", "server_state"]
 
