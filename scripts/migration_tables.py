@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from triollm.cli import build_parser
-from triollm.refused_flags import REFUSED_FLAGS
+from triollm.refused_flags import OLDER_VLLM_FLAGS, REFUSED_FLAGS, RefusedFlag
 from triollm.server.protocol import REFUSED_FIELDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,19 +74,30 @@ def _names(listing: str) -> list[str]:
     return [line for line in text.split("\n") if line and not line.startswith("#")]
 
 
+def _refusal(flag: str, refused: RefusedFlag) -> str:
+    if refused.kind == "switch":
+        return f"refused (`--no-{flag[2:]}` accepted): {refused.reason}"
+    if refused.neutral:
+        accepted = " or ".join(f"`{value}`" for value in refused.neutral)
+        return f"refused unless {accepted}: {refused.reason}"
+    return f"refused: {refused.reason}"
+
+
+def older_flag_table() -> str:
+    rows = ["| older vLLM flag | in triollm |", "| --- | --- |"]
+    rows += [f"| `{flag}` | {_refusal(flag, refused)} |"
+             for flag, refused in sorted(OLDER_VLLM_FLAGS.items())]
+    return "\n".join(rows)
+
+
 def flag_table() -> str:
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr,index]
     actions = {name: action for action in serve._actions for name in action.option_strings}
     rows = ["| vLLM flag | in triollm |", "| --- | --- |"]
     for flag in _names("vllm_serve_flags.txt"):
         refused = REFUSED_FLAGS.get(flag)
-        if refused is not None and refused.kind == "switch":
-            status = f"refused (`--no-{flag[2:]}` accepted): {refused.reason}"
-        elif refused is not None and refused.neutral:
-            accepted = " or ".join(f"`{value}`" for value in refused.neutral)
-            status = f"refused unless {accepted}: {refused.reason}"
-        elif refused is not None:
-            status = f"refused: {refused.reason}"
+        if refused is not None:
+            status = _refusal(flag, refused)
         elif flag in DIFFERENT:
             status = DIFFERENT[flag]
         else:
@@ -113,6 +124,8 @@ def main() -> None:
     path = ROOT / "docs" / "migration.md"
     doc = path.read_text()
     doc = re.sub(r"\| vLLM flag \| in triollm \|\n(\|.*\n)+", flag_table() + "\n", doc)
+    doc = re.sub(r"\| older vLLM flag \| in triollm \|\n(\|.*\n)+", older_flag_table() + "\n",
+                 doc)
     doc = re.sub(r"\| vLLM request field \| in triollm \|\n(\|.*\n)+", field_table() + "\n",
                  doc)
     path.write_text(doc)

@@ -20,7 +20,7 @@ from triollm.cli import (
     server_options_from_namespace,
 )
 from triollm.engine.args import AsyncEngineArgs
-from triollm.refused_flags import REFUSED_FLAGS
+from triollm.refused_flags import OLDER_VLLM_FLAGS, REFUSED_FLAGS
 
 #: The flags the server issue asks for, spelled as `vllm serve` spells them.
 VLLM_FLAGS = [
@@ -150,6 +150,8 @@ def test_every_vllm_flag_is_known() -> None:
     (["--pipeline-parallel-size", "2"], "one device"),
     (["--lora-modules", "a=/x", "b=/y"], "--lora-modules a=/x b=/y: not supported"),
     (["--otlp-traces-endpoint", "http://c:4317"], "tracing is not implemented"),
+    (["--swap-space", "16"], "--swap-space 16: not supported by triollm: triollm never swaps"),
+    (["--use-v2-block-manager"], "removed from vLLM since"),
 ])
 def test_vllm_flags_that_do_not_apply_fail_saying_why(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -162,7 +164,8 @@ def test_vllm_flags_that_do_not_apply_fail_saying_why(
 def test_vllm_flags_that_ask_for_what_triollm_does_are_accepted() -> None:
     engine, _ = parse("m", "--kv-cache-dtype", "auto", "--pipeline-parallel-size", "1",
                       "--no-enable-lora", "--load-format", "safetensors", "--runner",
-                      "generate", "--model-impl", "transformers")
+                      "generate", "--model-impl", "transformers", "--swap-space", "0",
+                      "--task", "generate")
     assert engine.model == "m"
 
 
@@ -181,4 +184,5 @@ def test_the_migration_guide_has_a_row_for_every_vllm_flag_and_field() -> None:
                  if line and not line.startswith("#")]
         missing = [name for name in names if f"| `{name}` |" not in guide]
         assert missing == [], listing
+    assert [flag for flag in OLDER_VLLM_FLAGS if f"| `{flag}` |" not in guide] == []
     assert "ignored |" not in guide

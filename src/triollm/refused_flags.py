@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["REFUSED_FLAGS", "RefusedFlag", "add_refused_flags"]
+__all__ = ["OLDER_VLLM_FLAGS", "REFUSED_FLAGS", "RefusedFlag", "add_refused_flags"]
 
 _PARALLEL = "triollm runs one model on one device in one process (no tensor, pipeline, " \
             "data, context or expert parallelism)"
@@ -209,6 +209,47 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
 }
 
 
+_REMOVED = "removed from vLLM since; "
+
+#: Flags of older vLLM releases that command lines still carry (vLLM 0.32 no longer
+#: knows them either): refused with the reason, not as unknown.
+OLDER_VLLM_FLAGS: dict[str, RefusedFlag] = {
+    **_values("triollm never swaps KV blocks to host memory: a preempted request is "
+              "recomputed", "--swap-space", neutral=("0",)),
+    **_values("a preempted request is recomputed (no swapping)", "--preemption-mode",
+              neutral=("recompute",)),
+    **_switches(_REMOVED + "triollm's block manager is the only one",
+                "--use-v2-block-manager"),
+    **_values(_REMOVED + "one step is scheduled at a time", "--num-scheduler-steps",
+              neutral=("1",)),
+    **_switches(_REMOVED + "one step is scheduled at a time",
+                "--multi-step-stream-outputs"),
+    **_values(_KERNELS, "--max-seq-len-to-capture"),
+    **_values("this server has no guided decoding", "--guided-decoding-backend"),
+    **_values(_POOLING, "--task", neutral=("auto", "generate")),
+    **_values(_POOLING, "--override-pooler-config"),
+    **_values(_SPEC, "--speculative-model", "--num-speculative-tokens",
+              "--num-lookahead-slots"),
+    **_switches(_TOOLS, "--enable-reasoning"),
+    **_values(_NOT_IMPLEMENTED + ": change the model's config.json instead",
+              "--rope-scaling", "--rope-theta"),
+    **_values(_NOT_IMPLEMENTED, "--tokenizer-pool-size", neutral=("0",)),
+    **_values(_NOT_IMPLEMENTED, "--scheduler-delay-factor", neutral=("0", "0.0")),
+    **_values(_NOT_IMPLEMENTED, "--max-num-partial-prefills", "--max-long-partial-prefills",
+              neutral=("1",)),
+    **_values(_LORA, "--qlora-adapter-name-or-path", "--lora-extra-vocab-size"),
+    **_lists(_LORA, "--long-lora-scaling-factors"),
+    **_switches(_LORA, "--enable-prompt-adapter"),
+    **_values(_LORA, "--max-prompt-adapters", "--max-prompt-adapter-token"),
+    **_switches(_PARALLEL, "--worker-use-ray", "--engine-use-ray",
+                "--disable-frontend-multiprocessing"),
+    **_switches(_NOT_IMPLEMENTED + ": outputs are already processed as each step ends",
+                "--disable-async-output-proc"),
+    **_switches(_QUANT, "--calculate-kv-scales"),
+    **_switches(_MULTIMODAL, "--disable-mm-preprocessor-cache"),
+}
+
+
 class _Refuse(argparse.Action):
     def __init__(self, option_strings: Sequence[str], dest: str, *, refused: RefusedFlag,
                  **kwargs: Any) -> None:
@@ -233,8 +274,9 @@ class _Refuse(argparse.Action):
 
 
 def add_refused_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Register every flag of ``REFUSED_FLAGS`` (hidden from ``--help``)."""
-    for flag, refused in REFUSED_FLAGS.items():
+    """Register every flag of ``REFUSED_FLAGS`` and ``OLDER_VLLM_FLAGS`` (hidden from
+    ``--help``)."""
+    for flag, refused in {**REFUSED_FLAGS, **OLDER_VLLM_FLAGS}.items():
         names = [flag]
         kwargs: dict[str, Any] = {}
         if refused.kind == "switch":
