@@ -20,7 +20,9 @@ from triollm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, Sampl
 from triollm.server.limits import MAX_N
 
 __all__ = [
+    "REFUSED_FIELDS",
     "ChatCompletionRequest",
+    "CheckedRequest",
     "CompletionRequest",
     "DetokenizeRequest",
     "ErrorResponse",
@@ -80,7 +82,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _CheckedRequest(BaseModel):
+class CheckedRequest(BaseModel):
     """A request body whose unknown fields are kept, to be refused or reported."""
 
     model_config = ConfigDict(extra="allow")
@@ -100,7 +102,7 @@ class _CheckedRequest(BaseModel):
         return ignored
 
 
-class _SamplingRequest(_CheckedRequest):
+class _SamplingRequest(CheckedRequest):
     """The sampling fields shared by completions and chat, with vLLM's extras."""
 
     model: str | None = None
@@ -434,7 +436,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(_CheckedRequest):
+class TokenizeRequest(CheckedRequest):
     """``POST /tokenize``: a prompt, or chat messages rendered with the template."""
 
     model: str | None = None
@@ -455,7 +457,7 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(_CheckedRequest):
+class DetokenizeRequest(CheckedRequest):
     model: str | None = None
     tokens: list[int]
 

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from triollm.engine.chat import normalize_messages
 from triollm.outputs import RequestOutput
 from triollm.server.errors import bad_request
 from triollm.server.formatting import (
@@ -89,15 +90,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 def _echoed_text(body: ChatCompletionRequest) -> str:
     """With ``echo``, as vLLM: the last message's text when it is the assistant's (the
     one ``continue_final_message`` continues), which the reply then starts with."""
-    if not body.echo:
-        return ""
     last = body.messages[-1]
-    if last.role != "assistant" or last.content is None:
+    if not body.echo or last.role != "assistant":
         return ""
-    if isinstance(last.content, str):
-        return last.content
-    return "\n".join(str(part.get("text", "")) for part in last.content
-                     if part.get("type") in ("text", "input_text", "output_text"))
+    [message] = normalize_messages([last.model_dump(exclude_none=True)], "string")
+    return str(message["content"])
 
 
 def _stream_writer(body: ChatCompletionRequest, item: Submitted, opened: list[EngineStream],

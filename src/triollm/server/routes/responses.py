@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError
 from triollm.outputs import RequestOutput
 from triollm.server.errors import OpenAIError, bad_request
 from triollm.server.generation import EngineStream, Submitted, outputs
-from triollm.server.protocol import ChatCompletionRequest, ChatMessage, _CheckedRequest, random_id
+from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CheckedRequest, random_id
 from triollm.server.state import ChatRendering, server_state
 from triollm.server.streaming import Emit, StreamWriter, respond, run_stream
 
@@ -28,7 +28,7 @@ __all__ = ["ResponsesRequest", "router"]
 router = APIRouter()
 
 
-class ResponsesRequest(_CheckedRequest):
+class ResponsesRequest(CheckedRequest):
     """The text subset of ``POST /v1/responses``."""
 
     model: str | None = None
