@@ -237,6 +237,12 @@ def test_continue_final_message_with_echo(server: ThreadedServer,
         client.chat.completions.create(
             model="tiny", messages=messages, max_tokens=1,
             extra_body={"continue_final_message": True, "add_generation_prompt": True})
+    conflict = post(server, "/tokenize", {"messages": messages, "continue_final_message": True,
+                                          "add_generation_prompt": True})
+    assert conflict.status_code == 400
+    assert conflict.json()["error"]["param"] == "continue_final_message"
+    continued = post(server, "/tokenize", {"messages": messages, "continue_final_message": True})
+    assert continued.json()["tokens"] == expected
 
 
 def test_documents_reach_the_template(parts_server: ThreadedServer) -> None:

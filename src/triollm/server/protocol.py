@@ -263,7 +263,27 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class _ChatTemplateFields(CheckedRequest):
+    """What a request that carries messages says about rendering them (chat completions
+    and ``/tokenize``)."""
+
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # shown to the chat template, as in vLLM
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @property
+    def generation_prompt(self) -> bool:
+        """``add_generation_prompt`` as vLLM reads it: off when the final message is to
+        be continued, unless the request set both (which the rendering refuses)."""
+        if self.continue_final_message and "add_generation_prompt" not in self.model_fields_set:
+            return False
+        return self.add_generation_prompt
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -271,31 +291,13 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool = False
     echo: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    documents: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
-    @property
-    def generation_prompt(self) -> bool:
-        """``add_generation_prompt`` as vLLM reads it: off when the final message is to
-        be continued, unless the request set both (which ``check_supported`` refuses)."""
-        if self.continue_final_message and "add_generation_prompt" not in self.model_fields_set:
-            return False
-        return self.add_generation_prompt
-
     def check_supported(self) -> None:
         super().check_supported()
-        if self.continue_final_message and self.add_generation_prompt and (
-                "add_generation_prompt" in self.model_fields_set):
-            raise ValueError("continue_final_message: cannot be set together with "
-                             "add_generation_prompt; set add_generation_prompt to false")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
         # As vLLM: tools without a tool_choice mean "auto". This server has no tool-call
@@ -436,19 +438,13 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(CheckedRequest):
+class TokenizeRequest(_ChatTemplateFields):
     """``POST /tokenize``: a prompt, or chat messages rendered with the template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    documents: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None  # shown to the chat template, as in vLLM
 
 
 class TokenizeResponse(BaseModel):

@@ -28,14 +28,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state.check_fields(body)
     tokenizer = state.engine.tokenizer
     if body.messages is not None:
-        if body.continue_final_message and "add_generation_prompt" in body.model_fields_set \
-                and body.add_generation_prompt:
-            raise OpenAIError(400, "continue_final_message: cannot be set together with "
-                                   "add_generation_prompt", param="continue_final_message")
         tokens = state.render_chat_or_400(body.messages, ChatRendering(
-            chat_template=body.chat_template,
-            add_generation_prompt=body.add_generation_prompt
-            and not body.continue_final_message,
+            chat_template=body.chat_template, add_generation_prompt=body.generation_prompt,
             continue_final_message=body.continue_final_message,
             # for messages vLLM's default is False (the template writes them)
             add_special_tokens=body.add_special_tokens and "add_special_tokens"
