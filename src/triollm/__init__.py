@@ -8,15 +8,33 @@ from triollm.engine.inputs import TextPrompt, TokensPrompt
 from triollm.engine.stats import EngineStatistics
 from triollm.errors import EngineClosedError, EngineDeadError, EngineError, RequestFailedError
 from triollm.llm import LLM
-from triollm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from triollm.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
+from triollm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from triollm.pooling_params import PoolingParams
+from triollm.sampling_params import RequestOutputKind, SamplingParams
 from triollm.step import ModelRunner, RunnerOutput
 
 __all__ = [
     "LLM",
     "AsyncEngineArgs",
     "AsyncLLMEngine",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineClosedError",
     "EngineDeadError",
@@ -24,13 +42,17 @@ __all__ = [
     "EngineStatistics",
     "Logprob",
     "ModelRunner",
+    "PoolingOutput",
     "PoolingParams",
+    "PoolingRequestOutput",
     "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",
     "RunnerOutput",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "TextPrompt",
     "TokensPrompt",
 ]

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
+    from triollm.pooling_params import PoolingTask
+
 __all__ = [
     "DEMO_MODEL_NAME",
     "POLICIES",
@@ -25,6 +27,8 @@ __all__ = [
     "EngineConfig",
     "ModelConfig",
     "ParallelConfig",
+    "PoolerConfig",
+    "RunnerKind",
     "SchedulerConfig",
     "SchedulingPolicy",
 ]
@@ -33,6 +37,10 @@ __all__ = [
 #: ``triollm serve`` and ``LLM()`` work on a fresh offline machine.
 DEMO_MODEL_NAME = "triollm/tiny-demo"
 
+#: ``generate``: a causal LM that samples tokens. ``pooling``: a model that returns one
+#: vector (an embedding, or a classifier's label scores) per prompt.
+RunnerKind = Literal["generate", "pooling"]
+PoolingType = Literal["MEAN", "CLS", "LAST"]
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority", "slo")
 
@@ -62,6 +70,44 @@ class ModelConfig:
     #: names (``max_tokens``, ``temperature``...), from the model's
     #: ``generation_config.json`` unless ``generation_config="vllm"``.
     generation_defaults: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    runner: RunnerKind = "generate"
+    #: How a pooling model turns hidden states into its output (None for ``generate``).
+    pooler: PoolerConfig | None = None
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers ``Dense`` module after pooling: ``activation(x W^T + b)``,
+    its weights in ``folder`` of the model (a subfolder name)."""
+
+    folder: str
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  #: ``identity``, ``tanh``, ``relu``, ``gelu`` or ``sigmoid``
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """A pooling model's pipeline after the transformer, resolved once from the model
+    folder (sentence-transformers' ``modules.json``) and ``pooler_config``."""
+
+    task: PoolingTask
+    pooling_type: PoolingType
+    #: The default of ``PoolingParams.use_activation``: normalize embeddings; sigmoid /
+    #: softmax for classifiers.
+    use_activation: bool
+    #: The size of the embeddings (after any ``Dense``), or the number of labels.
+    embedding_size: int
+    dense_layers: tuple[DenseLayer, ...] = ()
+    #: A default Matryoshka truncation (``pooler_config``'s ``dimensions``).
+    dimensions: int | None = None
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    #: A classifier's label names, by index.
+    labels: tuple[str, ...] = ()
+    #: Where the pipeline came from, for the start-up log.
+    source: str = "defaults"
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -14,8 +15,19 @@ from triollm.engine.args import EngineArgs
 from triollm.engine.chat import ContentFormat, render_chat
 from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType, TokensPrompt
+from triollm.engine.scoring import cosine_similarity, cross_encoder_prompt, score_pairs
 from triollm.errors import RequestFailedError
-from triollm.outputs import RequestOutput
+from triollm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    EngineOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from triollm.pooling_params import PoolingParams, PoolingTask
 from triollm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -37,14 +49,14 @@ class LLM:
         """Resolve the arguments (vLLM's ``EngineArgs`` names), load the tokenizer and
         the model, and size the KV cache."""
         from triollm.model.loader import load_tokenizer
-        from triollm.model.torch_runner import TorchModelRunner
+        from triollm.model.runners import create_runner
 
         config = EngineArgs(model=model, **engine_args).create_engine_config()
         self.tokenizer = load_tokenizer(config.model.tokenizer,
                                         trust_remote_code=config.model.trust_remote_code,
                                         revision=config.model.tokenizer_revision,
                                         download_dir=config.model.download_dir)
-        self.engine = EngineCore(config, TorchModelRunner(config), self.tokenizer)
+        self.engine = EngineCore(config, create_runner(config), self.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -76,10 +88,117 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"sampling_params: got {len(params_list)} for "
                                  f"{len(prompt_list)} prompts")
-        priorities = [0] * len(prompt_list) if priority is None else list(priority)
-        if len(priorities) != len(prompt_list):
-            raise ValueError(f"priority: got {len(priorities)} for {len(prompt_list)} prompts")
-        return self._run(prompt_list, params_list, priorities, use_tqdm)
+        final = [SamplingParams(**{**params._as_kwargs(),
+                                   "output_kind": RequestOutputKind.FINAL_ONLY})
+                 for params in params_list]
+        outputs = self._run(prompt_list, final, _priorities(priority, len(prompt_list)),
+                            use_tqdm)
+        return [output for output in outputs if isinstance(output, RequestOutput)]
+
+    # -- pooling models (runner="pooling") ---------------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        pooling_task: PoolingTask | None = None,
+        truncate_prompt_tokens: int | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """One ``PoolingRequestOutput`` per prompt, in input order: ``outputs.data`` is
+        a 1-D float32 tensor (an embedding or label scores). Needs a pooling model."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"pooling_params: got {len(params_list)} for "
+                                 f"{len(prompt_list)} prompts")
+        overrides: dict[str, Any] = {}
+        if pooling_task is not None:
+            overrides["task"] = pooling_task
+        if truncate_prompt_tokens is not None:
+            overrides["truncate_prompt_tokens"] = truncate_prompt_tokens
+        if overrides:
+            params_list = [dataclasses.replace(p, **overrides) for p in params_list]
+        outputs = self._run(prompt_list, params_list,
+                            _priorities(priority, len(prompt_list)), use_tqdm)
+        return [output for output in outputs if isinstance(output, PoolingRequestOutput)]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``, a list of floats), with an
+        embedding model."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed",
+                              truncate_prompt_tokens=truncate_prompt_tokens,
+                              priority=priority)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Label probabilities per prompt (``outputs.probs``), with a sequence
+        classifier."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="classify",
+                              priority=priority)
+        return [ClassificationRequestOutput.from_base(output) for output in outputs]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The relevance of each pair: ``data_1`` (one text, or one per item of
+        ``data_2``) against ``data_2``. A cross-encoder reads each pair as one prompt;
+        an embedding model gives the cosine similarity of the two embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        pooler = self.engine.config.model.pooler
+        if pooler is None:
+            raise ValueError("score: this model is loaded with runner='generate'; scoring "
+                             "needs an embedding model or a cross-encoder")
+        if pooler.task == "classify":
+            if pooler.embedding_size != 1:
+                raise ValueError(f"score: a classifier with {pooler.embedding_size} labels "
+                                 f"is not a cross-encoder (one label); use classify()")
+            max_length = self.engine.config.model.max_model_len
+            prompts: list[PromptType] = [cross_encoder_prompt(
+                cast(Any, self.tokenizer), a, b, max_length=max_length,
+                truncate_prompt_tokens=truncate_prompt_tokens) for a, b in pairs]
+            outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="classify")
+            return [ScoringRequestOutput.from_base(output) for output in outputs]
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        embedded = self.encode(cast(list[PromptType], texts), pooling_params, use_tqdm,
+                               pooling_task="embed",
+                               truncate_prompt_tokens=truncate_prompt_tokens)
+        by_text = dict(zip(texts, embedded, strict=True))
+        results = []
+        for index, (a, b) in enumerate(pairs):
+            first, second = by_text[a], by_text[b]
+            results.append(ScoringRequestOutput(
+                request_id=f"score-{index}", outputs=ScoringOutput(cosine_similarity(
+                    first.outputs.data, second.outputs.data)),
+                prompt_token_ids=first.prompt_token_ids + second.prompt_token_ids))
+        return results
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (between ``generate`` calls no request holds
@@ -118,22 +237,21 @@ class LLM:
             for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
-             priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType],
+             params_list: Sequence[SamplingParams | PoolingParams],
+             priorities: list[int], use_tqdm: bool) -> list[EngineOutput]:
         engine = self.engine
         ids = [f"{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
             for request_id, prompt, params, priority in zip(ids, prompts, params_list,
                                                             priorities, strict=True):
-                final_params = SamplingParams(**{**params._as_kwargs(),
-                                                 "output_kind": RequestOutputKind.FINAL_ONLY})
-                engine.add_request(request_id, prompt, final_params, priority=priority)
+                engine.add_request(request_id, prompt, params, priority=priority)
                 added.append(request_id)
         except BaseException:
             engine.abort_requests(added)
             raise
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, EngineOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         started = time.perf_counter()
@@ -147,16 +265,25 @@ class LLM:
                 for output in outputs:
                     if output.finished:
                         results[output.request_id] = output
-                        generated += sum(len(c.token_ids) for c in output.outputs)
+                        generated += (sum(len(c.token_ids) for c in output.outputs)
+                                      if isinstance(output, RequestOutput)
+                                      else len(output.prompt_token_ids))
                         bar.update(1)
                         elapsed = time.perf_counter() - started
-                        bar.set_postfix_str(f"output {generated / elapsed:.1f} toks/s")
+                        bar.set_postfix_str(f"{generated / elapsed:.1f} toks/s")
         except BaseException:
             engine.abort_requests(ids)
             raise
         finally:
             bar.close()
         return [results[request_id] for request_id in ids]
+
+
+def _priorities(priority: Sequence[int] | None, count: int) -> list[int]:
+    priorities = [0] * count if priority is None else list(priority)
+    if len(priorities) != count:
+        raise ValueError(f"priority: got {len(priorities)} for {count} prompts")
+    return priorities
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

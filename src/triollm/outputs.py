@@ -1,4 +1,6 @@
-"""What the engine hands back: ``RequestOutput`` with one ``CompletionOutput`` per sample.
+"""What the engine hands back: ``RequestOutput`` with one ``CompletionOutput`` per sample;
+for pooling models, ``PoolingRequestOutput`` and its embedding, classification and score
+views.
 
 Shapes and names follow vLLM so code written against vLLM's outputs keeps working.
 """
@@ -6,8 +8,27 @@ Shapes and names follow vLLM so code written against vLLM's outputs keeps workin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SampleLogprobs"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "EngineOutput",
+    "Logprob",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "RequestMetrics",
+    "RequestOutput",
+    "SampleLogprobs",
+    "ScoringOutput",
+    "ScoringRequestOutput",
+]
 
 
 @dataclass
@@ -91,3 +112,103 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling model's result for one prompt: a 1-D float32 tensor (an embedding, or
+    a classifier's label scores)."""
+
+    data: torch.Tensor
+
+
+_O = TypeVar("_O")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[_O]):
+    """One pooling request's result (a pooling request has a single, final output)."""
+
+    request_id: str
+    outputs: _O
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> EmbeddingOutput:
+        if output.data.ndim != 1:
+            raise ValueError("an embedding is a 1-D tensor")
+        return cls(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    """Label probabilities (or logits, with ``use_activation=False``), by label index."""
+
+    probs: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> ClassificationOutput:
+        if output.data.ndim != 1:
+            raise ValueError("classification scores are a 1-D tensor")
+        return cls(output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """The relevance score of one text pair: a cross-encoder's probability, or the
+    cosine similarity of two embeddings."""
+
+    score: float
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> ScoringOutput:
+        if output.data.numel() != 1:
+            raise ValueError("a score is a single value")
+        return cls(float(output.data.reshape(-1)[0]))
+
+
+def _view(output: PoolingRequestOutput[Any], outputs: _O) -> PoolingRequestOutput[_O]:
+    return PoolingRequestOutput(output.request_id, outputs, output.prompt_token_ids,
+                                output.num_cached_tokens, output.finished, output.metrics)
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput[PoolingOutput]) -> EmbeddingRequestOutput:
+        view = _view(output, EmbeddingOutput.from_base(output.outputs))
+        return cls(**vars(view))
+
+
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput[PoolingOutput]
+                  ) -> ClassificationRequestOutput:
+        view = _view(output, ClassificationOutput.from_base(output.outputs))
+        return cls(**vars(view))
+
+
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput[PoolingOutput]) -> ScoringRequestOutput:
+        view = _view(output, ScoringOutput.from_base(output.outputs))
+        return cls(**vars(view))
+
+
+#: What a step delivers: generated text and tokens, or a pooling model's result.
+EngineOutput = RequestOutput | PoolingRequestOutput[PoolingOutput]

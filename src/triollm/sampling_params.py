@@ -11,8 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SEED_MAX", "SEED_MIN", "PoolingParams", "RequestOutputKind", "SamplingParams",
-           "check_text"]
+__all__ = ["SEED_MAX", "SEED_MIN", "RequestOutputKind", "SamplingParams", "check_text"]
 
 _GREEDY_EPSILON = 1e-5
 #: vLLM's bounds for ``seed``: a signed 64-bit integer.
@@ -228,11 +227,3 @@ class SamplingParams:
             for name in self.__dataclass_fields__
             if name not in ("all_stop_token_ids", "bad_words_token_ids")
         }
-
-
-@dataclass
-class PoolingParams:
-    """Parameters of an embedding (pooling) request. Accepted for API compatibility;
-    embeddings are not served yet."""
-
-    dimensions: int | None = None

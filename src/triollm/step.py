@@ -11,8 +11,9 @@ applications without a model. No torch, no event loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from triollm.pooling_params import PoolingParams
 from triollm.sampling_params import SamplingParams
 
 __all__ = ["ModelRunner", "RunnerOutput", "ScheduledRequest", "SchedulerOutput",
@@ -22,7 +23,9 @@ __all__ = ["ModelRunner", "RunnerOutput", "ScheduledRequest", "SchedulerOutput",
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute ``token_ids`` at positions
-    ``start_position ...``; if ``sample``, a token is sampled after the last of them."""
+    ``start_position ...``; if ``sample``, a token is sampled after the last of them
+    (for a pooling request, whose whole prompt comes in one step: the prompt is
+    pooled)."""
 
     request_id: str
     token_ids: list[int]
@@ -30,15 +33,26 @@ class ScheduledRequest:
     block_table: list[int]
     sample: bool
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    #: Exactly one of the two is set: a generation request's or a pooling request's.
+    sampling_params: SamplingParams | None
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
+    def sampling(self) -> SamplingParams:
+        """A generation request's sampling parameters (``ValueError`` for a pooling
+        request)."""
+        if self.sampling_params is None:
+            raise ValueError(f"{self.request_id} is a pooling request: it does not sample")
+        return self.sampling_params
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
-        return (self.sampling_params.prompt_logprobs is not None
+        return (self.sampling_params is not None
+                and self.sampling_params.prompt_logprobs is not None
                 and self.start_position < len(self.prompt_token_ids) - 1)
 
 
@@ -82,6 +96,9 @@ class RunnerOutput:
     #: Requests whose own part of the step failed (their sampling state, sampling or
     #: logprobs), with what went wrong: the engine fails those requests alone.
     failed: dict[str, str] = field(default_factory=dict)
+    #: A pooling runner's result for each pooled request: a 1-D float32 torch tensor
+    #: (typed loosely: this module imports no torch).
+    pooled: dict[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -111,7 +111,7 @@ class FakeModelRunner:
                 position = item.start_position + item.num_tokens - 1
                 token = fake_next_token(item.token_ids[-1], position, self.vocab_size)
                 output.sampled_token_ids[item.request_id] = token
-                if item.sampling_params.logprobs is not None:
+                if item.sampling.logprobs is not None:
                     output.logprobs[item.request_id] = _fake_logprobs(token, position + 1)
         return output
 

@@ -19,12 +19,15 @@ from triollm.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    RunnerKind,
     SchedulerConfig,
 )
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
+
+    from triollm.pooling_params import PoolingTask
 
 __all__ = ["GENERATION_CONFIG_FIELDS", "AsyncEngineArgs", "EngineArgs", "cpu_supports_bf16",
            "resolve_device", "resolve_dtype", "sampling_defaults"]
@@ -116,6 +119,17 @@ def sampling_defaults(generation_config: Mapping[str, Any],
     return defaults
 
 
+#: Encoders whose positions start after the padding index (RoBERTa's scheme), so
+#: ``max_position_embeddings`` counts ``pad_token_id + 1`` positions no token uses.
+_OFFSET_POSITION_TYPES = frozenset({"roberta", "xlm-roberta", "camembert"})
+
+
+def _encoder_context_length(hf_config: PretrainedConfig, limit: int | None) -> int | None:
+    if limit is not None and getattr(hf_config, "model_type", "") in _OFFSET_POSITION_TYPES:
+        return limit - int(getattr(hf_config, "pad_token_id", 0) or 0) - 1
+    return limit
+
+
 def _context_length(hf_config: PretrainedConfig) -> int | None:
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(hf_config, name, None)
@@ -159,6 +173,19 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | str | None = None
+    #: ``generate``, ``pooling`` (embeddings, classifiers, cross-encoders) or ``auto``:
+    #: pooling for sentence-transformers folders, ``*ForSequenceClassification`` and
+    #: bare encoders (``BertModel``), generate otherwise.
+    runner: str = "auto"
+    #: What a pooling model computes: ``embed`` or ``classify`` (``auto``: classify for
+    #: ``*ForSequenceClassification``, embed otherwise).
+    convert: str = "auto"
+    #: Older vLLM's spelling of the two above: ``generate``, ``embed``, ``classify`` or
+    #: ``score``.
+    task: str | None = None
+    #: Overrides of the model's pooling: ``pooling_type`` (MEAN, CLS, LAST),
+    #: ``use_activation`` (``normalize``), ``dimensions``; a dict or JSON.
+    pooler_config: dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
@@ -171,7 +198,16 @@ class EngineArgs:
 
         hf_config = load_hf_config(self.model, trust_remote_code=self.trust_remote_code,
                                    revision=self.revision, download_dir=self.download_dir)
+        hub = {"revision": self.revision, "download_dir": self.download_dir}
+        runner, pooling_task = self._resolve_runner(hf_config, hub)
         model_limit = _context_length(hf_config)
+        if runner == "pooling":
+            from triollm.model.pooler import max_seq_length
+
+            model_limit = _encoder_context_length(hf_config, model_limit)
+            st_limit = max_seq_length(self.model, **hub)
+            if st_limit is not None and self.max_model_len is None:
+                model_limit = min(model_limit or st_limit, st_limit)
         if self.max_model_len is None:
             if model_limit is None:
                 raise _fail("max_model_len", "the model config names no context length; set it")
@@ -181,13 +217,25 @@ class EngineArgs:
             if model_limit is not None and max_model_len > model_limit:
                 raise _fail("max_model_len", f"{max_model_len} exceeds the model's context "
                             f"length {model_limit}")
+        # A pooling model attends over whole prompts (bidirectionally, for encoders), so a
+        # prompt runs in one step: no chunks, and no prefix cache (every position's
+        # hidden state is pooled).
+        chunked = self.enable_chunked_prefill and runner == "generate"
         if self.max_num_batched_tokens is None:
-            budget = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+            budget = 2048 if chunked else max(max_model_len, 2048)
         else:
             budget = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill and budget < max_model_len:
+        if not chunked and budget < max_model_len:
             raise _fail("max_num_batched_tokens", f"{budget} is smaller than max_model_len="
-                        f"{max_model_len}; raise it or enable chunked prefill")
+                        f"{max_model_len}; raise it or enable chunked prefill" if
+                        runner == "generate" else f"{budget} is smaller than max_model_len="
+                        f"{max_model_len}; a pooling model computes a whole prompt per step")
+        pooler = None
+        if pooling_task is not None:
+            from triollm.model.pooler import resolve_pooler
+
+            pooler = resolve_pooler(self.model, hf_config, pooling_task,
+                                    self._pooler_overrides(), **hub)
         served = self.served_model_name
         if isinstance(served, list):
             served = served[0] if served else None
@@ -208,11 +256,13 @@ class EngineArgs:
             tokenizer_revision=self.tokenizer_revision or (
                 self.revision if self.tokenizer is None else None),
             download_dir=self.download_dir,
-            generation_defaults=self._generation_defaults(),
+            generation_defaults=self._generation_defaults() if runner == "generate" else {},
+            runner=runner,
+            pooler=pooler,
         )
         cache = CacheConfig(
             block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching and runner == "generate",
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_space_gb=self.kv_cache_space_gb,
@@ -221,10 +271,65 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=chunked,
             policy=next(p for p in POLICIES if p == self.scheduling_policy),
         )
         return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+
+    def _resolve_runner(self, hf_config: PretrainedConfig, hub: dict[str, Any]
+                        ) -> tuple[RunnerKind, PoolingTask | None]:
+        """``runner``, ``convert`` and ``task`` (vLLM's older spelling) → the runner and,
+        for pooling, its task."""
+        runner, convert = self.runner, self.convert
+        if runner not in ("auto", "generate", "pooling"):
+            raise _fail("runner", f"must be 'auto', 'generate' or 'pooling', got {runner!r}")
+        if convert not in ("auto", "none", "embed", "classify"):
+            raise _fail("convert", f"must be 'auto', 'none', 'embed' or 'classify', got "
+                        f"{convert!r}")
+        if self.task not in (None, "auto"):
+            task_runner = {"generate": "generate", "embed": "pooling", "embedding": "pooling",
+                           "classify": "pooling", "score": "pooling"}.get(self.task)
+            if task_runner is None:
+                raise _fail("task", f"must be 'auto', 'generate', 'embed', 'classify' or "
+                            f"'score', got {self.task!r}")
+            if runner not in ("auto", task_runner):
+                raise _fail("task", f"{self.task!r} contradicts runner={runner!r}")
+            runner = task_runner
+            if self.task in ("embed", "embedding", "classify", "score") and convert == "auto":
+                convert = "classify" if self.task in ("classify", "score") else "embed"
+        architectures = [str(a) for a in getattr(hf_config, "architectures", None) or []]
+        classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
+        if runner == "auto":
+            from triollm.model.pooler import sentence_transformers_modules
+
+            bare = bool(architectures) and all(
+                a.endswith("Model") and not a.endswith("LMHeadModel") for a in architectures)
+            pooling = (classifier or bare or convert in ("embed", "classify")
+                       or sentence_transformers_modules(self.model, **hub) is not None)
+            runner = "pooling" if pooling else "generate"
+        if runner == "generate":
+            if convert in ("embed", "classify"):
+                raise _fail("convert", f"{convert!r} needs runner='pooling'")
+            return "generate", None
+        if convert in ("auto", "none"):
+            return "pooling", "classify" if classifier else "embed"
+        if convert == "classify" and not classifier:
+            raise _fail("convert", f"'classify' needs a *ForSequenceClassification model "
+                        f"(a classification head); {self.model!r} is {architectures}")
+        return "pooling", "classify" if convert == "classify" else "embed"
+
+    def _pooler_overrides(self) -> dict[str, Any]:
+        overrides = self.pooler_config
+        if isinstance(overrides, str):
+            try:
+                overrides = json.loads(overrides)
+            except json.JSONDecodeError as error:
+                raise _fail("pooler_config", f"not JSON: {error}") from None
+        if overrides is None:
+            return {}
+        if not isinstance(overrides, Mapping):
+            raise _fail("pooler_config", f"must be a JSON object, got {overrides!r}")
+        return dict(overrides)
 
     def _generation_defaults(self) -> dict[str, Any]:
         """Sampling defaults, as vLLM's ``--generation-config``: ``auto`` reads the

@@ -15,6 +15,7 @@ import gc
 import logging
 import sys
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from contextlib import aclosing
 from types import TracebackType
 from typing import TYPE_CHECKING, NoReturn
 
@@ -28,8 +29,9 @@ from triollm.engine.inputs import PromptType
 from triollm.engine.stats import EngineStatistics, StatLogger, StatLoggers, stat_logger_list
 from triollm.engine.worker import ModelWorker, open_model_worker
 from triollm.errors import EngineClosedError, EngineDeadError, RequestFailedError
-from triollm.outputs import RequestOutput
-from triollm.sampling_params import PoolingParams, SamplingParams
+from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from triollm.pooling_params import PoolingParams
+from triollm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -113,9 +115,9 @@ class AsyncLLMEngine:
                                    download_dir=config.model.download_dir)
         if runner_factory is None:
             def runner_factory() -> ModelRunner:
-                from triollm.model.torch_runner import TorchModelRunner
+                from triollm.model.runners import create_runner
 
-                return TorchModelRunner(config)
+                return create_runner(config)
 
         return cls(config, tokenizer, runner_factory,
                    log_requests=(getattr(engine_args, "enable_log_requests", False)
@@ -250,9 +252,10 @@ class AsyncLLMEngine:
         if self._work_available is not None:
             self._work_available.set()
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver(self, output: EngineOutput) -> None:
         if self._channels.deliver(output) and self.log_requests:
-            reasons = [c.finish_reason for c in output.outputs]
+            reasons = ([c.finish_reason for c in output.outputs]
+                       if isinstance(output, RequestOutput) else ["pooled"])
             logger.info("Finished request %s (%s).", output.request_id, reasons)
 
     # -- requests ------------------------------------------------------------------
@@ -283,17 +286,53 @@ class AsyncLLMEngine:
         output's ``metrics.slo_attained``. ``sampling_params=None`` takes
         ``get_default_sampling_params()``.
         """
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported yet")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
+        self._check_extras(lora_request, trace_headers)
+        channel = self._add_request(prompt, sampling_params, request_id, priority,
+                                    is_latency_sensitive, slo, ttft_slo)
+        async with aclosing(self._stream(channel)) as stream:
+            async for output in stream:
+                assert isinstance(output, RequestOutput)
+                yield output
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        lora_request: object = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        *,
+        is_latency_sensitive: bool = False,
+    ) -> AsyncGenerator[PoolingRequestOutput[PoolingOutput], None]:
+        """Pool one prompt with a pooling model (``runner="pooling"``): yields one
+        finished ``PoolingRequestOutput`` whose ``outputs.data`` is a 1-D float32
+        tensor (an embedding, or a classifier's label scores). Leaving early aborts the
+        request; an aborted request's stream ends without an output. Raises
+        ``ValueError`` for bad input or a generation model."""
+        self._check_extras(lora_request, trace_headers)
+        channel = self._add_request(prompt, pooling_params or PoolingParams(), request_id,
+                                    priority, is_latency_sensitive)
+        async with aclosing(self._stream(channel)) as stream:
+            async for output in stream:
+                assert isinstance(output, PoolingRequestOutput)
+                yield output
+
+    def _check_extras(self, lora_request: object,
+                      trace_headers: Mapping[str, str] | None) -> None:
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported yet")
         if trace_headers and not self._warned_tracing:
             # as vLLM when no OTLP endpoint is set: said once, the request goes on
             self._warned_tracing = True
             logger.warning("Received a request with trace headers, but tracing is not "
                            "enabled (this engine exports no traces); they are not used.")
-        channel = self._add_request(prompt, sampling_params, request_id, priority,
-                                    is_latency_sensitive, slo, ttft_slo)
+
+    async def _stream(self, channel: RequestChannel) -> AsyncGenerator[EngineOutput, None]:
+        """The outputs of one request; closing it before the end aborts the request
+        (callers close it at once with ``aclosing``)."""
         finished = False
         try:
             while True:
@@ -311,7 +350,8 @@ class AsyncLLMEngine:
             if not finished:
                 self._abort_now(channel)
 
-    def _add_request(self, prompt: PromptType, params: SamplingParams, request_id: str,
+    def _add_request(self, prompt: PromptType, params: SamplingParams | PoolingParams,
+                     request_id: str,
                      priority: int, is_latency_sensitive: bool = False,
                      slo: float | None = None,
                      ttft_slo: float | None = None) -> RequestChannel:
@@ -331,7 +371,8 @@ class AsyncLLMEngine:
         self._wake()
         return channel
 
-    def _log_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def _log_request(self, request_id: str, prompt: PromptType,
+                     params: SamplingParams | PoolingParams) -> None:
         shown = prompt
         if self.max_log_len is not None and isinstance(prompt, str | list):
             shown = prompt[: self.max_log_len]
@@ -341,7 +382,9 @@ class AsyncLLMEngine:
         """Abort the request behind ``channel`` (by its engine id: a request that reuses
         the caller's id since is not touched) and end its stream."""
         core = self._core
-        outputs = core.abort_engine_requests([channel.engine_id]) if core is not None else []
+        outputs: list[EngineOutput] = []
+        if core is not None:
+            outputs.extend(core.abort_engine_requests([channel.engine_id]))
         self._channels.close(channel, outputs)
         if outputs:
             self._record_stats()
@@ -357,12 +400,6 @@ class AsyncLLMEngine:
             if channel is not None:
                 self._abort_now(channel)
         await anyio.lowlevel.checkpoint()
-
-    async def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
-                     **kwargs: object) -> AsyncGenerator[RequestOutput, None]:
-        """Embeddings are not served yet."""
-        raise NotImplementedError("embeddings (encode) are not supported yet")
-        yield  # pragma: no cover  (makes this an async generator, like generate)
 
     # -- health and introspection ----------------------------------------------------
 

@@ -25,7 +25,13 @@ import sniffio
 import trio
 import trio.lowlevel
 
-from triollm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from triollm.outputs import (
+    CompletionOutput,
+    EngineOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    SampleLogprobs,
+)
 from triollm.sampling_params import RequestOutputKind
 
 __all__ = ["RequestChannel", "RequestChannels", "Wakeup", "wakeup_factory"]
@@ -189,15 +195,15 @@ class RequestChannel:
         #: The engine's id of the request (``EngineCore.add_request``'s result).
         self.engine_id = engine_id
         self.output_kind = output_kind
-        self.send, self.receive = anyio.create_memory_object_stream[RequestOutput](buffer_size)
-        self._pending: RequestOutput | _DeltaBacklog | None = None
+        self.send, self.receive = anyio.create_memory_object_stream[EngineOutput](buffer_size)
+        self._pending: EngineOutput | _DeltaBacklog | None = None
         self.error: BaseException | None = None
         self.closed = False
         self._buffered = 0
         self._wakeup: Wakeup | None = None
         self._make_wakeup = make_wakeup
 
-    def put(self, output: RequestOutput) -> None:
+    def put(self, output: EngineOutput) -> None:
         """Deliver without blocking: behind a full buffer, fold into the pending output."""
         if self.closed:
             return
@@ -213,6 +219,9 @@ class RequestChannel:
         elif self.output_kind is not RequestOutputKind.DELTA:
             self._pending = output
         else:
+            # only generation requests stream DELTA outputs
+            assert isinstance(output, RequestOutput) and not isinstance(
+                pending, PoolingRequestOutput)
             if not isinstance(pending, _DeltaBacklog):
                 pending = self._pending = _DeltaBacklog(pending)
             pending.add(output)
@@ -243,7 +252,7 @@ class RequestChannel:
         """Whether ``get`` returns (or raises) without waiting."""
         return bool(self._buffered or self._pending is not None or self.closed)
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> EngineOutput:
         """The next output; ``StopAsyncIteration`` at the end, or the stream's error.
 
         Returns at once when an output is ready; otherwise waits (a cancellation point).
@@ -290,7 +299,7 @@ class RequestChannels:
         self._channels[request_id] = channel
         return channel
 
-    def deliver(self, output: RequestOutput) -> bool:
+    def deliver(self, output: EngineOutput) -> bool:
         """Put ``output`` in its request's channel; True if it ended an open request
         (whose channel is then closed and dropped)."""
         channel = self._channels.get(output.request_id)
@@ -301,7 +310,7 @@ class RequestChannels:
             del self._channels[output.request_id]
         return output.finished
 
-    def close(self, channel: RequestChannel, final_outputs: list[RequestOutput]) -> None:
+    def close(self, channel: RequestChannel, final_outputs: list[EngineOutput]) -> None:
         """Deliver ``final_outputs`` to ``channel`` and close it, if it is still the open
         channel of its request id."""
         if self._channels.get(channel.request_id) is channel:

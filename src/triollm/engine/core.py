@@ -26,8 +26,9 @@ from triollm.engine.output_processor import OutputProcessor, ParentRequest
 from triollm.engine.request import Request, RequestStatus
 from triollm.engine.scheduler import Scheduler, SchedulerStatistics
 from triollm.engine.stats import FinishedRequestStats, IterationStats
-from triollm.outputs import RequestOutput
-from triollm.sampling_params import SamplingParams
+from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from triollm.pooling_params import PoolingParams
+from triollm.sampling_params import RequestOutputKind, SamplingParams
 from triollm.step import ModelRunner, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 __all__ = ["EngineCore", "RequestFailure"]
@@ -87,7 +88,7 @@ class EngineCore:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -100,24 +101,31 @@ class EngineCore:
 
         ``slo`` is a latency target in seconds per output token and ``ttft_slo`` one for
         the first token; ``is_latency_sensitive`` requests are served first under the
-        ``slo`` scheduling policy, which also sizes steps to keep to their ``slo``."""
+        ``slo`` scheduling policy, which also sizes steps to keep to their ``slo``.
+        ``PoolingParams`` make a pooling request (a pooling model only): its whole
+        prompt runs in one step and its one output is the pooled result."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id: must be a string, got {request_id!r}")
         if request_id in self._engine_ids:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
+        if isinstance(params, PoolingParams):
+            self._check_scheduling(priority, slo, ttft_slo)
+            return self._add_pooling_request(request_id, prompt, params, arrival_time,
+                                             priority, is_latency_sensitive)
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
+        pooler = self.config.model.pooler
+        if pooler is not None:
+            raise ValueError(f"sampling_params: {self.config.model.served_model_name!r} is "
+                             f"loaded with runner='pooling' ({pooler.task}); it does not "
+                             f"generate text")
         params = params.clone()  # the caller's object is theirs; the engine fills in ours
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name}: {value} is more than this engine allows "
                                  f"(max_logprobs={self.max_logprobs})")
-        if priority != 0 and self.config.scheduler.policy != "priority":
-            raise ValueError("priority: a non-zero priority needs scheduling_policy='priority'")
-        for name, value in (("slo", slo), ("ttft_slo", ttft_slo)):
-            if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
+        self._check_scheduling(priority, slo, ttft_slo)
         params.check_token_ids(self.vocab_size)
         processed = process_prompt(prompt, self.tokenizer, max_model_len=self.max_model_len,
                                    vocab_size=self.vocab_size,
@@ -152,12 +160,50 @@ class EngineCore:
             self.scheduler.add_request(child)
         return engine_id
 
+    def _check_scheduling(self, priority: int, slo: float | None,
+                          ttft_slo: float | None) -> None:
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError("priority: a non-zero priority needs scheduling_policy='priority'")
+        for name, value in (("slo", slo), ("ttft_slo", ttft_slo)):
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
+
+    def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                             arrival_time: float | None, priority: int,
+                             is_latency_sensitive: bool) -> str:
+        model = self.config.model
+        if model.pooler is None:
+            raise ValueError(f"pooling_params: {model.served_model_name!r} is loaded with "
+                             f"runner='generate'; load it with runner='pooling' to embed, "
+                             f"classify or score")
+        params = params.resolved(model.pooler, model.served_model_name)
+        truncate = params.truncate_prompt_tokens
+        processed = process_prompt(
+            prompt, self.tokenizer, max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size, generating=False,
+            truncate_to=self.max_model_len if truncate == -1 else truncate)
+        params.token_type_ids = processed.token_type_ids
+        engine_id = self._new_engine_id(request_id)
+        request = Request(engine_id, processed.token_ids, None,
+                          self.clock() if arrival_time is None else arrival_time,
+                          pooling_params=params, priority=priority,
+                          is_latency_sensitive=is_latency_sensitive)
+        parent = ParentRequest(request_id, engine_id, processed.text, processed.token_ids,
+                               RequestOutputKind.FINAL_ONLY, [request], pooling=True)
+        self._parents[engine_id] = parent
+        self._engine_ids[request_id] = engine_id
+        self._requests[engine_id] = request
+        self._parent_of[engine_id] = parent
+        self.scheduler.add_request(request)
+        return engine_id
+
     def _new_engine_id(self, request_id: str) -> str:
         return f"{request_id}-{next(self._sequence_numbers)}"
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort requests by the callers' ids now; unknown or finished ids are ignored.
-        Returns each aborted request's final output (finish_reason ``"abort"``)."""
+        Returns each aborted generation request's final output (finish_reason
+        ``"abort"``); an aborted pooling request has none."""
         return self.abort_engine_requests(
             [self._engine_ids[i] for i in request_ids if i in self._engine_ids])
 
@@ -179,7 +225,7 @@ class EngineCore:
             self._finish(child, RequestStatus.FINISHED_ABORTED, now)
         outputs = []
         for parent in parents.values():
-            output = self.output_processor.make_output(parent, True)
+            output = None if parent.pooling else self.output_processor.make_output(parent, True)
             if output is not None:
                 outputs.append(output)
             self._forget(parent)
@@ -202,7 +248,7 @@ class EngineCore:
 
     # -- the step ------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         scheduler_output = self.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         return self.process(scheduler_output, runner_output)
@@ -217,7 +263,7 @@ class EngineCore:
         return output
 
     def process(self, scheduler_output: SchedulerOutput,
-                runner_output: RunnerOutput) -> list[RequestOutput]:
+                runner_output: RunnerOutput) -> list[EngineOutput]:
         """Apply a finished step: advance computed tokens, append the sampled tokens,
         detect stops, free what finished and build the outputs."""
         self.scheduler.update_computed_tokens(scheduler_output)
@@ -232,12 +278,26 @@ class EngineCore:
         touched: dict[str, ParentRequest] = {}
         finished: dict[RequestStatus, list[str]] = {}
         failed: dict[str, tuple[ParentRequest, str]] = {}
+        pooled: list[PoolingRequestOutput[PoolingOutput]] = []
         for item in scheduler_output.scheduled:
             request = self._requests.get(item.request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
             parent = self._parent_of[request.request_id]
             error = runner_output.failed.get(item.request_id)
+            if error is None and parent.pooling:
+                data = runner_output.pooled.get(item.request_id)
+                if data is None:
+                    error = "the runner returned no pooled output"
+                else:
+                    self._finish_pooled(request, now)
+                    finished.setdefault(RequestStatus.FINISHED_STOPPED, []).append(
+                        request.request_id)
+                    pooled.append(PoolingRequestOutput(
+                        parent.request_id, PoolingOutput(data), parent.prompt_token_ids,
+                        finished=True, metrics=request.metrics))
+                    self._forget(parent)
+                    continue
             if error is None:
                 try:
                     sampled, status = self._apply(item, request, runner_output, now)
@@ -257,7 +317,7 @@ class EngineCore:
             touched.pop(engine_id, None)
             self._fail(parent, error, now)
 
-        outputs = []
+        outputs: list[EngineOutput] = list(pooled)
         for parent in touched.values():
             finished_now = parent.finished
             output = self.output_processor.make_output(parent, finished_now)
@@ -290,6 +350,13 @@ class EngineCore:
         if token_lp is not None:
             self.output_processor.append_logprobs(request, token_lp)
         return True, self.output_processor.check_stop(request, token)
+
+    def _finish_pooled(self, request: Request, now: float) -> None:
+        request.metrics.first_token_time = request.metrics.last_token_time = now
+        if self.collect_stats:
+            self._stats.num_prompt_tokens += request.num_prompt_tokens
+            self._stats.time_to_first_token.append(now - request.metrics.arrival_time)
+        self._finish(request, RequestStatus.FINISHED_STOPPED, now)
 
     def _fail(self, parent: ParentRequest, error: str, now: float) -> None:
         """End a request whose own part of a step failed; its caller learns why from

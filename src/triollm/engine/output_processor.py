@@ -32,6 +32,8 @@ class ParentRequest:
     output_kind: RequestOutputKind
     children: list[Request]
     prompt_logprobs_sent: bool = False
+    #: A pooling request: one child, no text, one output made by the core.
+    pooling: bool = False
 
     @property
     def finished(self) -> bool:
@@ -69,6 +71,7 @@ class OutputProcessor:
         """Detokenize ``token`` (already appended) and say whether it ends the sequence;
         a stop string or stop token id is recorded as the request's ``stop_reason``."""
         params = request.sampling_params
+        assert params is not None, "pooling requests sample no tokens"
         if request.detokenizer is not None:
             stop = request.detokenizer.append_token(
                 token, check_stop=request.num_output_tokens >= params.min_tokens)

@@ -7,6 +7,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from triollm.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
+from triollm.pooling_params import PoolingParams
 from triollm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ FinishReason = str
 
 
 class Request:
-    """A single sequence being generated (one sample of a user request).
+    """A single sequence being generated (one sample of a user request), or a prompt
+    to pool (``pooling_params`` set, ``sampling_params`` None).
 
     ``num_computed_tokens`` catches up with ``num_tokens`` step by step; when they meet,
     the next step samples a token. Preemption resets it to zero (recompute).
@@ -44,9 +46,10 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         arrival_time: float,
         *,
+        pooling_params: PoolingParams | None = None,
         priority: int = 0,
         index: int = 0,
         is_latency_sensitive: bool = False,
@@ -59,6 +62,7 @@ class Request:
         self.cache_salt = cache_salt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         self.priority = priority
         self.index = index
         #: Co-serving: a latency-sensitive request, its target seconds per output token
@@ -71,13 +75,13 @@ class Request:
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time, slo=slo, ttft_slo=ttft_slo)
         self.detokenizer: IncrementalDetokenizer | None = None
-        self.logprobs: SampleLogprobs | None = [] if sampling_params.logprobs is not None else None
+        wants_logprobs = sampling_params is not None and sampling_params.logprobs is not None
+        self.logprobs: SampleLogprobs | None = [] if wants_logprobs else None
         self.prompt_logprobs: PromptLogprobs | None = (
-            [None] if sampling_params.prompt_logprobs is not None else None
+            [None] if sampling_params is not None
+            and sampling_params.prompt_logprobs is not None else None
         )
-        self.cumulative_logprob: float | None = (
-            0.0 if sampling_params.logprobs is not None else None
-        )
+        self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
         self.num_delivered_tokens = 0
         self.num_delivered_chars = 0
 

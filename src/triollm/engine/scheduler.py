@@ -219,7 +219,7 @@ class Scheduler:
         while (not preempted and self.waiting and budget.tokens_left > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+            if request.num_computed_tokens == 0 and request.prompt_logprobs is None:
                 # Reuse the KV of the longest cached prefix (prompt logprobs need every
                 # position's logits, so those requests compute everything).
                 request.num_computed_tokens = self.block_manager.attach_cached_prefix(
@@ -302,6 +302,7 @@ class Scheduler:
             sample=end == request.num_tokens,
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
+            pooling_params=request.pooling_params,
         )
 
     def _detach(self, request: Request) -> None:

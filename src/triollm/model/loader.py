@@ -26,6 +26,7 @@ __all__ = [
     "load_generation_config",
     "load_hf_config",
     "load_model",
+    "load_pooling_model",
     "load_tokenizer",
     "train_byte_level_bpe",
 ]
@@ -129,6 +130,36 @@ def load_model(
         loaded = AutoModelForCausalLM.from_pretrained(
             model, config=hf_config, trust_remote_code=trust_remote_code,
             **_hub(revision, download_dir), **kwargs)
+    check_supported(type(loaded))
+    return loaded.to(device).eval()
+
+
+def load_pooling_model(
+    model: str,
+    hf_config: PretrainedConfig,
+    *,
+    classify: bool,
+    attn_implementation: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> PreTrainedModel:
+    """A pooling model in eval mode on ``device``: the bare transformer (``AutoModel``:
+    a causal LM's checkpoint loads without its head) or, with ``classify``, the
+    ``AutoModelForSequenceClassification`` model with its head."""
+    auto: Any = (transformers.AutoModelForSequenceClassification if classify
+                 else transformers.AutoModel)
+    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "dtype": dtype}
+    if model == DEMO_MODEL_NAME:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            loaded = auto.from_config(hf_config, **kwargs)
+    else:
+        loaded = auto.from_pretrained(model, config=hf_config,
+                                      trust_remote_code=trust_remote_code,
+                                      **_hub(revision, download_dir), **kwargs)
     check_supported(type(loaded))
     return loaded.to(device).eval()
 

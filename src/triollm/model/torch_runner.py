@@ -254,9 +254,9 @@ class TorchModelRunner:
 
     def _new_state(self, item: ScheduledRequest) -> _RequestState:
         generator = None
-        if item.sampling_params.seed is not None:
+        if item.sampling.seed is not None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(item.sampling_params.seed)
+            generator.manual_seed(item.sampling.seed)
         return _RequestState(item.prompt_token_ids, [], generator)
 
     def _prepare(
@@ -343,7 +343,7 @@ class TorchModelRunner:
         if sample_items:
             rows = [
                 SamplingRow(
-                    params=items[i].sampling_params,
+                    params=items[i].sampling,
                     generator=self._requests[items[i].request_id].generator,
                     prompt_token_ids=items[i].prompt_token_ids,
                     output_token_ids=self._requests[items[i].request_id].output_token_ids,
@@ -395,7 +395,7 @@ class TorchModelRunner:
         last = min(item.start_position + item.num_tokens, len(prompt) - 1)
         count = last - item.start_position
         logprobs = torch.log_softmax(chunk_logits[:count].float(), dim=-1)
-        top_k = item.sampling_params.prompt_logprobs
+        top_k = item.sampling.prompt_logprobs
         return [
             token_logprobs(logprobs[j], prompt[item.start_position + j + 1], top_k)
             for j in range(count)

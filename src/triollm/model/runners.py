@@ -1,0 +1,19 @@
+"""The model runner a config asks for: the generation runner or the pooling runner."""
+
+from __future__ import annotations
+
+from triollm.config import EngineConfig
+from triollm.step import ModelRunner
+
+__all__ = ["create_runner"]
+
+
+def create_runner(config: EngineConfig) -> ModelRunner:
+    """Load the model (in the calling thread) into the runner for ``config.model.runner``."""
+    if config.model.runner == "pooling":
+        from triollm.model.pooling_runner import PoolingModelRunner
+
+        return PoolingModelRunner(config)
+    from triollm.model.torch_runner import TorchModelRunner
+
+    return TorchModelRunner(config)

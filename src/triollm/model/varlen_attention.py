@@ -1,0 +1,94 @@
+"""Attention over whole prompts packed into one row, for pooling models.
+
+A pooling step holds complete prompts one after another in a ``[1, T]`` batch (no
+padding, no KV cache). Each prompt attends only to itself: bidirectionally in encoders
+(BERT, RoBERTa), causally in decoders used as embedders (the module's ``is_causal``
+says which). Registered with transformers' ``AttentionInterface`` as
+``triollm_varlen``; the spans travel as the ``triollm_metadata`` keyword, as the paged
+attention's metadata does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+__all__ = ["VARLEN_ATTENTION_NAME", "VarlenMetadata", "varlen_attention_forward"]
+
+VARLEN_ATTENTION_NAME = "triollm_varlen"
+
+
+@dataclass
+class VarlenMetadata:
+    """``[start, end)`` of each prompt in the packed row; runs of prompts of equal length
+    are attended in one batched call."""
+
+    spans: list[tuple[int, int]]
+    #: ``(start, count, length)``: ``count`` consecutive prompts of ``length`` tokens.
+    runs: list[tuple[int, int, int]]
+    #: Attention calls made with it (the runner checks its attention is the one used).
+    num_calls: int = 0
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int]) -> VarlenMetadata:
+        spans: list[tuple[int, int]] = []
+        runs: list[tuple[int, int, int]] = []
+        start = 0
+        for length in lengths:
+            spans.append((start, start + length))
+            if runs and runs[-1][2] == length:
+                first, count, _ = runs[-1]
+                runs[-1] = (first, count + 1, length)
+            else:
+                runs.append((start, 1, length))
+            start += length
+        return cls(spans, runs)
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    triollm_metadata: VarlenMetadata | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query`` is ``[1, heads, T, dim]`` (keys and values may have fewer heads);
+    returns ``[1, T, heads, dim]`` as transformers expects."""
+    if triollm_metadata is None:
+        raise RuntimeError("triollm_varlen attention needs the step's VarlenMetadata")
+    triollm_metadata.num_calls += 1
+    causal = bool(getattr(module, "is_causal", False))
+    heads, kv_heads = query.shape[1], key.shape[1]
+    out_dtype = query.dtype
+    if query.device.type == "cpu" and query.dtype != torch.float32:
+        # CPU SDPA runs several times faster in fp32 than in bf16
+        query, key, value = query.float(), key.float(), value.float()
+    output = torch.empty_like(query)
+    for start, count, length in triollm_metadata.runs:
+        end = start + count * length
+        # [1, h, count * length, d] -> [count, h, length, d], views
+        q, k, v = (t[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1)
+                   for t in (query, key, value))
+
+        mask = None
+        if causal and sliding_window is not None and length > sliding_window:
+            positions = torch.arange(length, device=query.device)
+            distance = positions[:, None] - positions[None, :]
+            mask = (distance >= 0) & (distance < sliding_window)
+        result = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scaling,
+            enable_gqa=heads != kv_heads)
+        output[0, :, start:end] = result.transpose(0, 1).flatten(1, 2)
+    return output.transpose(1, 2).to(out_dtype), None
+
+
+AttentionInterface.register(VARLEN_ATTENTION_NAME, varlen_attention_forward)
