@@ -195,3 +195,131 @@ def build_tiny_model(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def train_wordpiece_tokenizer(vocab_size: int = 500) -> PreTrainedTokenizerBase:
+    """A BERT-style WordPiece tokenizer (``[CLS] a [SEP] b [SEP]`` with segment ids for
+    pairs) trained offline on the bundled corpus."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
+    from transformers import BertTokenizerFast
+
+    from triollm.model.loader import demo_corpus
+
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+        show_progress=False)
+    tokenizer.train_from_iterator(demo_corpus(), trainer=trainer)
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return BertTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]",
+                             cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                             model_max_length=256)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2), encoding="utf-8")
+
+
+def _random_weights(model: Any, seed: int) -> None:
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.data.normal_(0.0, 0.1)
+
+
+def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
+                          dense_features: int | None = None, normalize: bool = True,
+                          **overrides: Any) -> Path:
+    """A random-weight sentence-transformers folder under ``directory``.
+
+    ``kind`` ``"bert"``: a BERT encoder with mean pooling (sentence-transformers' current
+    file format). ``"xlm-roberta"``: an XLM-R encoder with CLS pooling. ``"qwen2"``: a
+    Qwen2 decoder with last-token pooling (the legacy ``pooling_mode_*`` format, as
+    Qwen3-Embedding ships). ``dense_features`` adds a ``Dense`` (tanh) module."""
+    import torch
+    import transformers
+
+    path = Path(directory)
+    if kind in ("bert", "xlm-roberta"):
+        tokenizer = train_wordpiece_tokenizer()
+        common = {"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "intermediate_size": 128,
+                  "max_position_embeddings": 258 if kind == "xlm-roberta" else 256,
+                  "pad_token_id": 0}
+        config: Any = (transformers.BertConfig(**common) if kind == "bert"
+                       else transformers.XLMRobertaConfig(**common))
+        for name, value in overrides.items():
+            setattr(config, name, value)
+        model: Any = transformers.AutoModel.from_config(config, dtype=torch.float32)
+        pooling: dict[str, Any] = {"embedding_dimension": 64,
+                                   "pooling_mode": "mean" if kind == "bert" else "cls"}
+        module_types = "sentence_transformers.sentence_transformer.modules"
+    elif kind == "qwen2":
+        tokenizer = train_test_tokenizer()
+        config = tiny_config("qwen2", len(tokenizer), **overrides)
+        model = transformers.AutoModel.from_config(config, dtype=torch.float32)
+        pooling = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+                   "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}
+        module_types = "sentence_transformers.models"
+    else:
+        raise ValueError(f"kind: expected 'bert', 'xlm-roberta' or 'qwen2', got {kind!r}")
+    _random_weights(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    modules: list[dict[str, Any]] = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": f"{module_types}.pooling.Pooling"
+         if kind != "qwen2" else "sentence_transformers.models.Pooling"},
+    ]
+    _write_json(path / "1_Pooling" / "config.json", pooling)
+    if dense_features is not None:
+        from safetensors.torch import save_file
+
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense",
+                        "type": "sentence_transformers.models.Dense"})
+        _write_json(path / "2_Dense" / "config.json", {
+            "in_features": 64, "out_features": dense_features, "bias": True,
+            "activation_function": "torch.nn.modules.activation.Tanh"})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            linear = torch.nn.Linear(64, dense_features)
+        save_file({f"linear.{k}": v.contiguous() for k, v in linear.state_dict().items()},
+                  str(path / "2_Dense" / "model.safetensors"))
+    if normalize:
+        modules.append({"idx": len(modules), "name": str(len(modules)),
+                        "path": f"{len(modules)}_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    _write_json(path / "modules.json", modules)
+    _write_json(path / "sentence_bert_config.json", {"max_seq_length": 128,
+                                                      "do_lower_case": False})
+    return path
+
+
+def build_cross_encoder(directory: str | Path, *, seed: int = 0, num_labels: int = 1) -> Path:
+    """A random-weight BERT cross-encoder (``BertForSequenceClassification``)."""
+    import torch
+    import transformers
+
+    tokenizer = train_wordpiece_tokenizer()
+    config = transformers.BertConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=256, num_labels=num_labels)
+    classifier = transformers.BertForSequenceClassification(config).to(torch.float32)
+    _random_weights(classifier, seed)
+    path = Path(directory)
+    classifier.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
