@@ -56,6 +56,26 @@ def llama_llm(llama_path: Path) -> Any:
                num_gpu_blocks_override=256)
 
 
+@pytest.fixture(scope="session")
+def pooling_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random-weight pooling models: sentence-transformers folders and classifiers."""
+    from transformers.utils import logging as hf_logging
+
+    from triollm.testing import build_cross_encoder, build_embedding_model
+
+    hf_logging.disable_progress_bar()
+    root = tmp_path_factory.mktemp("pooling-models")
+    return {
+        "bert": build_embedding_model("bert", root / "bert", dense_features=48),
+        "xlmr": build_embedding_model("xlm-roberta", root / "xlmr"),
+        "qwen2": build_embedding_model("qwen2", root / "qwen2"),
+        "matryoshka": build_embedding_model("bert", root / "matryoshka", seed=3,
+                                            is_matryoshka=True),
+        "cross": build_cross_encoder(root / "cross"),
+        "labels": build_cross_encoder(root / "labels", num_labels=3, seed=5),
+    }
+
+
 POISON = 77
 POISON_MODELING = f'''
 import time

@@ -29,25 +29,6 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="session")
-def pooling_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from transformers.utils import logging as hf_logging
-
-    from triollm.testing import build_cross_encoder, build_embedding_model
-
-    hf_logging.disable_progress_bar()
-    root = tmp_path_factory.mktemp("pooling-models")
-    return {
-        "bert": build_embedding_model("bert", root / "bert", dense_features=48),
-        "xlmr": build_embedding_model("xlm-roberta", root / "xlmr"),
-        "qwen2": build_embedding_model("qwen2", root / "qwen2"),
-        "matryoshka": build_embedding_model("bert", root / "matryoshka", seed=3,
-                                            is_matryoshka=True),
-        "cross": build_cross_encoder(root / "cross"),
-        "labels": build_cross_encoder(root / "labels", num_labels=3, seed=5),
-    }
-
-
-@pytest.fixture(scope="session")
 def bert_llm(pooling_models: dict[str, Path]) -> Any:
     from triollm import LLM
 

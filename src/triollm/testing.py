@@ -200,9 +200,16 @@ def build_tiny_model(
 def train_wordpiece_tokenizer(vocab_size: int = 500) -> PreTrainedTokenizerBase:
     """A BERT-style WordPiece tokenizer (``[CLS] a [SEP] b [SEP]`` with segment ids for
     pairs) trained offline on the bundled corpus."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers import trainers
-    from transformers import BertTokenizerFast
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
 
     from triollm.model.loader import demo_corpus
 
@@ -218,7 +225,7 @@ def train_wordpiece_tokenizer(vocab_size: int = 500) -> PreTrainedTokenizerBase:
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    return BertTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]",
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]",
                              cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
                              model_max_length=256)
 
@@ -255,7 +262,7 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
     path = Path(directory)
     if kind in ("bert", "xlm-roberta"):
         tokenizer = train_wordpiece_tokenizer()
-        common = {"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2,
+        common: dict[str, Any] = {"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2,
                   "num_attention_heads": 4, "intermediate_size": 128,
                   "max_position_embeddings": 258 if kind == "xlm-roberta" else 256,
                   "pad_token_id": 0}
@@ -314,10 +321,12 @@ def build_cross_encoder(directory: str | Path, *, seed: int = 0, num_labels: int
     import transformers
 
     tokenizer = train_wordpiece_tokenizer()
-    config = transformers.BertConfig(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=256, num_labels=num_labels)
-    classifier = transformers.BertForSequenceClassification(config).to(torch.float32)
+    settings: dict[str, Any] = {
+        "vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 256,
+        "num_labels": num_labels}
+    config = transformers.BertConfig(**settings)
+    classifier: Any = transformers.BertForSequenceClassification(config).float()
     _random_weights(classifier, seed)
     path = Path(directory)
     classifier.save_pretrained(path)

@@ -6,7 +6,8 @@
     └── RequestLifetime       API key, body limit, disconnect → cancel   (middleware.py)
         └── FastAPI           OpenAI-shaped errors                       (errors.py)
             └── routes/       completions, chat, responses, invocations (SageMaker),
-                              tokenize, models, health, /generate
+                              tokenize, models, health, /generate, pooling
+                              (embeddings, /pooling, /classify, /score, /rerank)
 
 Each route reads the shared ``ServerState`` (state.py) from the app; requests reach
 the engine through generation.py, streams go out through streaming.py, and fields
@@ -31,6 +32,7 @@ from triollm.server.routes import (
     health,
     invocations,
     models,
+    pooling,
     responses,
     tokenize,
 )
@@ -50,7 +52,7 @@ def build_app(state: ServerState, *, api_docs: bool = True) -> ASGIApp:
     app.state.triollm = state
     add_error_handlers(app)
     for routes in (health, models, tokenize, completions, chat, responses, invocations,
-                   generate):
+                   generate, pooling):
         app.include_router(routes.router)
     # CORS is outermost: it answers preflight requests itself (they carry no API key)
     # and adds its headers to every response, the 401s and 413s included.

@@ -59,6 +59,11 @@ REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "truncation_side": ((None, "left"), "prompts are truncated on the left only"),
     "stream_interval": ((None, 1), "every token is streamed as it is produced"),
     "session_id": ((None,), "sessions are not supported"),
+    "instruction": ((None, ""), "score instructions (reranker prompt templates) are not "
+                                "supported"),
+    "max_tokens_per_query": ((None,), "not supported; use truncate_prompt_tokens"),
+    "max_tokens_per_doc": ((None,), "not supported; use truncate_prompt_tokens"),
+    "padding": ((None,), "not supported: prompts are packed without padding"),
 }
 
 

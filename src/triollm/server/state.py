@@ -16,7 +16,9 @@ from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUE
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 if TYPE_CHECKING:
+    from triollm.config import PoolerConfig
     from triollm.engine.async_engine import AsyncLLMEngine
+    from triollm.pooling_params import PoolingTask
     from triollm.server.metrics import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -105,9 +107,37 @@ class ServerState:
         raise OpenAIError(404, f"The model `{name}` does not exist.", type="NotFoundError",
                           param="model")
 
+    def require_generation(self) -> None:
+        """400 unless the engine runs a generation model."""
+        pooler = self.engine.config.model.pooler
+        if pooler is not None:
+            routes = ("/v1/embeddings, /pooling" if pooler.task == "embed"
+                      else "/classify, /pooling")
+            raise OpenAIError(400, f"The model `{self.settings.served_model_names[0]}` is "
+                                   f"loaded with --runner pooling ({pooler.task}): it serves "
+                                   f"{routes}, /score and /rerank, not text generation.",
+                              param="model")
+
+    def require_pooling(self, route: str, task: PoolingTask | None = None) -> PoolerConfig:
+        """The pooling model's pipeline; 400 unless the engine runs a pooling model (of
+        ``task``, when given)."""
+        pooler = self.engine.config.model.pooler
+        name = self.settings.served_model_names[0]
+        if pooler is None:
+            raise OpenAIError(400, f"{route} needs a pooling model; the model `{name}` is "
+                                   f"loaded with --runner generate (start the server with "
+                                   f"--runner pooling for an embedding or scoring model).",
+                              param="model")
+        if task is not None and pooler.task != task:
+            raise OpenAIError(400, f"{route} needs a{'n' if task == 'embed' else ''} {task} "
+                                   f"model; the model `{name}` is loaded with --runner "
+                                   f"pooling as a {pooler.task} model.", param="model")
+        return pooler
+
     def check_request(self, body: CompletionRequest | ChatCompletionRequest) -> str:
         """The served model's name, once the model and the features asked for are ours."""
         model = self.check_model(body.model)
+        self.require_generation()
         try:
             body.check_supported()
         except ValueError as error:

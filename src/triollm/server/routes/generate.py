@@ -31,6 +31,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     state = server_state(request)
     if state.shutting_down:
         raise engine_unavailable(EngineClosedError("shutting down"))
+    state.require_generation()
     extra = dict(body.model_extra or {})
     if "output_kind" in extra:
         raise OpenAIError(400, "output_kind: chosen by the server (texts so far)",

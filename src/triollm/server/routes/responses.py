@@ -86,6 +86,7 @@ class ResponsesRequest(CheckedRequest):
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     state = server_state(request)
     model = state.check_model(body.model)
+    state.require_generation()
     try:
         body.check_supported()
         chat = ChatCompletionRequest(model=body.model, messages=body.messages(),

@@ -1,0 +1,310 @@
+"""The pooling routes: ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``
+(``/v1/score``) and ``/rerank`` (``/v1/rerank``, ``/v2/rerank``), as vLLM serves them.
+
+Every input of a request enters the engine at once, as its own pooling request under
+the server's id for it; the route waits for all of them. A bad input is a 400 naming
+it and ends the others; a client that disconnects cancels the route, and closing each
+engine stream aborts what has not finished.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from triollm.engine.inputs import PromptType, TokensPrompt
+from triollm.engine.scoring import cosine_similarity, cross_encoder_prompt, score_pairs
+from triollm.errors import EngineClosedError, EngineError
+from triollm.outputs import PoolingOutput, PoolingRequestOutput
+from triollm.pooling_params import PoolingParams, PoolingTask
+from triollm.sampling_params import check_text
+from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
+from triollm.server.generation import engine_request_id
+from triollm.server.pooling_protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingData,
+    PoolingRequest,
+    PoolingResponse,
+    PoolingUsage,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+    _InputRequest,
+    _PoolingFields,
+)
+from triollm.server.protocol import random_id
+from triollm.server.state import ChatRendering, ServerState, server_state
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+Pooled = PoolingRequestOutput[PoolingOutput]
+
+
+# -- shared steps -------------------------------------------------------------------------
+
+
+def _checked(state: ServerState, body: _PoolingFields, route: str,
+             task: PoolingTask | None) -> str:
+    model = state.check_model(body.model)
+    state.require_pooling(route, task)
+    state.check_fields(body)
+    return model
+
+
+def _params(body: _PoolingFields, **extra: Any) -> PoolingParams:
+    try:
+        return body.pooling_params(**extra)
+    except ValueError as error:
+        raise bad_request(error) from error
+
+
+def _prompts(state: ServerState, body: _InputRequest) -> list[PromptType]:
+    """``input`` (texts or token ids) or ``messages`` (through the chat template)."""
+    if body.messages is not None:
+        if body.input is not None:
+            raise OpenAIError(400, "input: give either input or messages, not both",
+                              param="input")
+        return [TokensPrompt(prompt_token_ids=state.render_chat_or_400(
+            body.messages, ChatRendering(
+                chat_template=body.chat_template, add_generation_prompt=body.generation_prompt,
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=body.add_special_tokens, tools=body.tools,
+                documents=body.documents, chat_template_kwargs=body.chat_template_kwargs)))]
+    data = body.input
+    if data is None:
+        raise OpenAIError(400, "input: required (or messages)", param="input")
+    items: Sequence[Any] = [data] if isinstance(data, str) else data
+    if not items:
+        raise OpenAIError(400, "input: must not be empty", param="input")
+    if all(isinstance(item, int) for item in items):
+        items = [list(items)]  # one prompt of token ids
+    prompts: list[PromptType] = []
+    for index, item in enumerate(items):
+        if isinstance(item, str):
+            try:
+                check_text(f"input[{index}]", item)
+            except ValueError as error:
+                raise bad_request(error) from error
+            if not item:
+                raise OpenAIError(400, f"input[{index}]: must not be empty",
+                                  param=f"input[{index}]")
+            prompts.append(TokensPrompt(prompt_token_ids=state.engine.tokenizer.encode(
+                item, add_special_tokens=body.add_special_tokens)))
+        elif isinstance(item, list):
+            prompts.append(TokensPrompt(prompt_token_ids=list(item)))
+        else:
+            raise OpenAIError(400, f"input[{index}]: expected text or token ids",
+                              param=f"input[{index}]")
+    return prompts
+
+
+async def _encode_all(state: ServerState, prompts: Sequence[PromptType],
+                      params: PoolingParams, request_id: str, priority: int) -> list[Pooled]:
+    """Every prompt into the engine at once; their outputs in prompt order."""
+    if state.shutting_down:
+        raise engine_unavailable(EngineClosedError("shutting down"))
+    base = engine_request_id(request_id)
+    results: list[Pooled | None] = [None] * len(prompts)
+
+    async def one(index: int) -> None:
+        engine_id = base if len(prompts) == 1 else f"{base}-{index}"
+        try:
+            async with aclosing(state.engine.encode(prompts[index], params, engine_id,
+                                                    priority=priority)) as stream:
+                async for output in stream:
+                    results[index] = output
+        except ValueError as error:
+            raise _for_input(bad_request(error), index, len(prompts)) from error
+        except EngineError as error:
+            raise engine_unavailable(error) from error
+        if results[index] is None:
+            raise engine_unavailable(EngineClosedError("ended early"))
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            for index in range(len(prompts)):
+                tasks.start_soon(one, index)
+    except BaseExceptionGroup as group:
+        answers, _ = group.split(OpenAIError)
+        if answers is None or len(answers.exceptions) != len(group.exceptions):
+            raise
+        raise answers.exceptions[0] from None
+    return [result for result in results if result is not None]
+
+
+def _for_input(error: OpenAIError, index: int, count: int) -> OpenAIError:
+    """A prompt's error says which input it was, when there are several."""
+    if count == 1:
+        return error
+    return OpenAIError(error.status, f"input[{index}]: {error.message}", type=error.type,
+                       param=error.param)
+
+
+def _usage(outputs: Sequence[Pooled]) -> PoolingUsage:
+    tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return PoolingUsage(prompt_tokens=tokens, total_tokens=tokens)
+
+
+def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        # OpenAI's encoding: the float32 values' little-endian bytes
+        data = vector.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
+        return base64.b64encode(data).decode("ascii")
+    return [float(value) for value in vector.tolist()]
+
+
+def _request_id(request: Request, body: _PoolingFields, prefix: str) -> str:
+    return body.request_id or request.headers.get("x-request-id") or random_id(prefix)
+
+
+# -- routes ---------------------------------------------------------------------------------
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingResponse)
+async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+    state = server_state(request)
+    model = _checked(state, body, "/v1/embeddings", "embed")
+    params = _params(body, dimensions=body.dimensions, normalize=body.normalize)
+    request_id = _request_id(request, body, "embd")
+    outputs = await _encode_all(state, _prompts(state, body), params, request_id,
+                                body.priority)
+    data = [EmbeddingData(index=i, embedding=_encoded(o.outputs.data, body.encoding_format))
+            for i, o in enumerate(outputs)]
+    return JSONResponse(EmbeddingResponse(id=request_id, model=model, data=data,
+                                          usage=_usage(outputs)).model_dump())
+
+
+@router.post("/pooling", response_model=PoolingResponse)
+async def pooling(body: PoolingRequest, request: Request) -> JSONResponse:
+    state = server_state(request)
+    model = _checked(state, body, "/pooling", body.task)
+    params = _params(body, dimensions=body.dimensions, normalize=body.normalize,
+                     task=body.task)
+    request_id = _request_id(request, body, "pool")
+    outputs = await _encode_all(state, _prompts(state, body), params, request_id,
+                                body.priority)
+    data = [PoolingData(index=i, data=_encoded(o.outputs.data, body.encoding_format))
+            for i, o in enumerate(outputs)]
+    return JSONResponse(PoolingResponse(id=request_id, model=model, data=data,
+                                        usage=_usage(outputs)).model_dump())
+
+
+@router.post("/classify", response_model=ClassificationResponse)
+async def classify(body: ClassificationRequest, request: Request) -> JSONResponse:
+    state = server_state(request)
+    model = _checked(state, body, "/classify", "classify")
+    labels = state.require_pooling("/classify").labels
+    request_id = _request_id(request, body, "classify")
+    outputs = await _encode_all(state, _prompts(state, body), _params(body), request_id,
+                                body.priority)
+    data = []
+    for index, output in enumerate(outputs):
+        probs = [float(p) for p in output.outputs.data.tolist()]
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append(ClassificationData(index=index, label=labels[best] if labels else None,
+                                       probs=probs, num_classes=len(probs)))
+    return JSONResponse(ClassificationResponse(id=request_id, model=model, data=data,
+                                               usage=_usage(outputs)).model_dump())
+
+
+async def _scores(state: ServerState, body: _PoolingFields, pairs: list[tuple[str, str]],
+                  request_id: str) -> tuple[list[float], PoolingUsage]:
+    """Each pair's score: a cross-encoder reads the pair as one prompt; an embedding
+    model compares the two embeddings."""
+    pooler = state.require_pooling("score")
+    params = _params(body)
+    if pooler.task == "classify":
+        if pooler.embedding_size != 1:
+            raise OpenAIError(400, f"The model has {pooler.embedding_size} labels; scoring "
+                                   f"needs a cross-encoder (one label) or an embedding "
+                                   f"model.", param="model")
+        max_length = state.engine.config.model.max_model_len
+        try:
+            prompts: list[PromptType] = [cross_encoder_prompt(
+                state.engine.tokenizer, a, b, max_length=max_length,
+                truncate_prompt_tokens=body.truncate_prompt_tokens) for a, b in pairs]
+        except ValueError as error:
+            raise bad_request(error) from error
+        outputs = await _encode_all(state, prompts, params, request_id, body.priority)
+        return ([float(o.outputs.data.reshape(-1)[0]) for o in outputs], _usage(outputs))
+    texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+    embedded = await _encode_all(
+        state, [TokensPrompt(prompt_token_ids=state.engine.tokenizer.encode(t)) for t in texts],
+        params, request_id, body.priority)
+    by_text = {text: output.outputs.data for text, output in zip(texts, embedded, strict=True)}
+    return ([cosine_similarity(by_text[a], by_text[b]) for a, b in pairs], _usage(embedded))
+
+
+def _score_sides(body: ScoreRequest) -> tuple[Any, Any, tuple[str, str]]:
+    for first, second in (("text_1", "text_2"), ("data_1", "data_2"),
+                          ("queries", "documents")):
+        a, b = getattr(body, first), getattr(body, second)
+        if a is not None or b is not None:
+            if a is None or b is None:
+                missing = first if a is None else second
+                raise OpenAIError(400, f"{missing}: required with "
+                                       f"{second if a is None else first}", param=missing)
+            return a, b, (first, second)
+    raise OpenAIError(400, "text_1: required (with text_2; or data_1 and data_2, or "
+                           "queries and documents)", param="text_1")
+
+
+@router.post("/score", response_model=ScoreResponse)
+@router.post("/v1/score", response_model=ScoreResponse)
+async def score(body: ScoreRequest, request: Request) -> JSONResponse:
+    state = server_state(request)
+    model = _checked(state, body, "/score", None)
+    first, second, names = _score_sides(body)
+    try:
+        pairs = score_pairs(first, second, names=names)
+    except ValueError as error:
+        raise bad_request(error) from error
+    request_id = _request_id(request, body, "score")
+    scores, usage = await _scores(state, body, pairs, request_id)
+    data = [ScoreData(index=i, score=value) for i, value in enumerate(scores)]
+    return JSONResponse(ScoreResponse(id=request_id, model=model, data=data,
+                                      usage=usage).model_dump())
+
+
+@router.post("/rerank", response_model=RerankResponse)
+@router.post("/v1/rerank", response_model=RerankResponse)
+@router.post("/v2/rerank", response_model=RerankResponse)
+async def rerank(body: RerankRequest, request: Request) -> JSONResponse:
+    state = server_state(request)
+    model = _checked(state, body, "/rerank", None)
+    documents = [d.text if isinstance(d, RerankDocument) else d for d in body.documents]
+    if body.top_n is not None and body.top_n < 0:
+        raise OpenAIError(400, f"top_n: must be >= 0, got {body.top_n}", param="top_n")
+    try:
+        pairs = score_pairs(body.query, documents, names=("query", "documents"))
+    except ValueError as error:
+        raise bad_request(error) from error
+    request_id = _request_id(request, body, "rerank")
+    scores, usage = await _scores(state, body, pairs, request_id)
+    order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
+    if body.top_n:  # None or 0: every document, as vLLM does
+        order = order[: body.top_n]
+    results = [RerankResult(
+        index=i, relevance_score=scores[i],
+        document=RerankDocument(text=documents[i]) if body.return_documents else None)
+        for i in order]
+    return JSONResponse(RerankResponse(id=request_id, model=model, usage=usage,
+                                       results=results).model_dump())
