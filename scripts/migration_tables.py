@@ -120,6 +120,53 @@ def field_table() -> str:
     return "\n".join(rows)
 
 
+POOLING_FIELD_NOTES = {
+    "input": "honoured: a string, a list of strings, token ids, lists of token ids",
+    "messages": "honoured: through the chat template (the request's `chat_template`, the "
+                "server's or the tokenizer's)",
+    "encoding_format": "`float` and `base64` honoured (vLLM's `bytes` forms refused)",
+    "embed_dtype": "`float32` honoured; other dtypes refused",
+    "endianness": "`native` and `little` honoured; `big` refused",
+    "dimensions": "honoured for Matryoshka models (refused otherwise, as vLLM does)",
+    "use_activation": "honoured: normalize embeddings; sigmoid / softmax for classifiers",
+    "task": "honoured: `embed` or `classify`, which must be the model's",
+    "truncate_prompt_tokens": "honoured: keeps the last tokens; -1 keeps `max_model_len`",
+    "cache_salt": "accepted: pooling requests read and write no prefix cache",
+    "user": "accepted; recorded nowhere (vLLM does the same)",
+    "priority": "honoured under `--scheduling-policy priority`",
+    "request_id": "honoured: the response's id; made unique inside the engine",
+    "top_n": "honoured (0 or absent: every document)",
+    "items": "honoured: the second side with `queries`",
+    "documents": "honoured: `/score`'s second side with `queries`, `/rerank`'s documents "
+                 "(strings or `{\"text\": ...}`); with `messages`, passed to the chat template",
+}
+
+
+def pooling_field_table() -> str:
+    from triollm.server.pooling_protocol import (
+        ClassificationRequest,
+        PoolingRequest,
+        RerankRequest,
+        ScoreRequest,
+    )
+
+    fields = {name for model in (PoolingRequest, ClassificationRequest, ScoreRequest,
+                                 RerankRequest) for name in model.model_fields}
+    rows = ["| vLLM pooling request field | in triollm |", "| --- | --- |"]
+    for name in _names("vllm_pooling_request_fields.txt"):
+        if name in REFUSED_FIELDS:
+            neutral, reason = REFUSED_FIELDS[name]
+            accepted = " or ".join(f"`{json.dumps(value)}`" for value in neutral)
+            status = f"refused unless {accepted}: {reason}"
+        elif name in fields:
+            status = POOLING_FIELD_NOTES.get(name, FIELD_NOTES.get(name, "honoured"))
+        else:
+            raise SystemExit(f"{name}: a vLLM pooling request field with no row: implement "
+                             f"it or add it to REFUSED_FIELDS")
+        rows.append(f"| `{name}` | {status.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     path = ROOT / "docs" / "migration.md"
     doc = path.read_text()
@@ -128,6 +175,8 @@ def main() -> None:
                  doc)
     doc = re.sub(r"\| vLLM request field \| in triollm \|\n(\|.*\n)+", field_table() + "\n",
                  doc)
+    doc = re.sub(r"\| vLLM pooling request field \| in triollm \|\n(\|.*\n)+",
+                 pooling_field_table() + "\n", doc)
     path.write_text(doc)
 
 

@@ -14,6 +14,10 @@ def test_exports_are_exactly_the_public_api() -> None:
         "EngineClosedError", "EngineDeadError", "EngineError", "EngineStatistics", "Logprob",
         "ModelRunner", "PoolingParams", "RequestFailedError", "RequestMetrics", "RequestOutput",
         "RequestOutputKind", "RunnerOutput", "SamplingParams", "TextPrompt", "TokensPrompt",
+        # pooling models, with vLLM's names
+        "ClassificationOutput", "ClassificationRequestOutput", "EmbeddingOutput",
+        "EmbeddingRequestOutput", "PoolingOutput", "PoolingRequestOutput", "ScoringOutput",
+        "ScoringRequestOutput",
     ])
     for name in triollm.__all__:
         assert getattr(triollm, name) is not None

@@ -179,7 +179,8 @@ def test_vllm_module_path_runs_the_same_server() -> None:
 def test_the_migration_guide_has_a_row_for_every_vllm_flag_and_field() -> None:
     root = Path(__file__).parent
     guide = (root.parent / "docs" / "migration.md").read_text()
-    for listing in ("vllm_serve_flags.txt", "vllm_request_fields.txt"):
+    for listing in ("vllm_serve_flags.txt", "vllm_request_fields.txt",
+                    "vllm_pooling_request_fields.txt"):
         names = [line for line in (root / listing).read_text().split("\n")
                  if line and not line.startswith("#")]
         missing = [name for name in names if f"| `{name}` |" not in guide]

@@ -169,7 +169,7 @@ def test_runner_resolution(pooling_models: dict[str, Path], llama_path: Path) ->
 
 
 def test_a_generation_model_refuses_pooling(llama_llm: Any) -> None:
-    with pytest.raises(ValueError, match="pooling_params: .* runner='generate'"):
+    with pytest.raises(ValueError, match=r"pooling_params: .* runner='generate'"):
         llama_llm.embed("hello", use_tqdm=False)
     with pytest.raises(ValueError, match="score"):
         llama_llm.score("a", "b", use_tqdm=False)

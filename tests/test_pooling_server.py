@@ -6,6 +6,7 @@ clients that leave."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
-
 from tests.server_helpers import ThreadedServer, server_in_thread
+
 from triollm import AsyncEngineArgs, AsyncLLMEngine
 
 sentence_transformers = pytest.importorskip("sentence_transformers")
@@ -212,12 +213,28 @@ def test_clients_that_leave_are_aborted(embed_server: ThreadedServer) -> None:
 
     anyio.run(main, backend="trio")
 
-    async def settled() -> None:
-        with anyio.fail_after(30):
-            while embed_server.handle.engine.statistics().num_open_streams:
-                await anyio.sleep(0.05)
-
-    anyio.run(settled)
+    deadline = time.monotonic() + 30  # the server's thread closes what the clients left
+    while embed_server.handle.engine.statistics().num_open_streams and (
+            time.monotonic() < deadline):
+        time.sleep(0.05)
     assert_idle(embed_server)
     reply = client_for(embed_server).embeddings.create(model="embedder", input="still here")
     assert len(reply.data[0].embedding) == 48
+
+
+def test_triollm_serve_runner_pooling(pooling_models: dict[str, Path]) -> None:
+    """The CLI: vLLM's --task embed spelling and --pooler-config reach the engine."""
+    from tests.server_helpers import server_process
+
+    path = str(pooling_models["bert"])
+    reference = sentence_transformers.SentenceTransformer(path, device="cpu").encode(TEXTS[:2])
+    with server_process(path, "--task", "embed", "--dtype", "float32",
+                        "--served-model-name", "e5", "--pooler-config",
+                        '{"use_activation": false}') as (process, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        reply = client.embeddings.create(model="e5", input=TEXTS[:2])
+        ours = np.array([item.embedding for item in reply.data])
+        assert cosine_rows(ours, reference).min() >= 0.999
+        assert abs(np.linalg.norm(ours[0]) - 1.0) > 1e-3  # --pooler-config: not normalized
+        process.terminate()
+        assert process.wait(60) == 0

@@ -75,6 +75,14 @@ _HELP = {
     "disable_log_requests": "do not log requests (vLLM's older flag; off is the default)",
     "disable_log_stats": "do not log engine statistics periodically",
     "max_log_len": "longest prompt prefix printed in request logs",
+    "runner": "generate, pooling (embeddings, classifiers, cross-encoders: /v1/embeddings, "
+              "/pooling, /classify, /score, /rerank) or auto (pooling for "
+              "sentence-transformers folders, *ForSequenceClassification and bare encoders)",
+    "convert": "what a pooling model computes: embed, classify, or auto",
+    "task": "vLLM's older spelling of --runner/--convert: generate, embed, classify, score",
+    "pooler_config": 'overrides of the model\'s pooling as JSON: pooling_type (MEAN, CLS, '
+                     'LAST), use_activation (normalize), dimensions '
+                     '(e.g. \'{"pooling_type": "MEAN"}\')',
 }
 
 

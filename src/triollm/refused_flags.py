@@ -29,7 +29,6 @@ _SPEC = "speculative decoding is not supported"
 _OFFLOAD = "weight and KV-cache offloading are not supported"
 _DISAGG = "disaggregated serving (KV, encoder-cache and weight transfer) is not supported"
 _MAMBA = "triollm serves attention-only transformers models (no Mamba or hybrid caches)"
-_POOLING = "pooling models (embeddings, scores) are not supported yet"
 _PLUGINS = "vLLM's plugin and class-override hooks do not exist in triollm"
 _SLEEP = "sleep mode is not supported"
 _CUDA_MEMORY = "GPU memory management options are not supported"
@@ -185,9 +184,6 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
     **_values(_PLUGINS, "--worker-cls", "--worker-extension-cls", "--model-class-overrides",
               "--tool-parser-plugin", "--reasoning-parser-plugin", "--tool-server"),
     # features of other model kinds
-    **_values(_POOLING, "--pooler-config"),
-    **_values(_POOLING, "--runner", neutral=("auto", "generate")),
-    **_values(_POOLING, "--convert", neutral=("auto", "none")),
     **_values(_MAMBA, "--mamba-backend", "--mamba-block-size", "--mamba-cache-dtype",
               "--mamba-cache-mode", "--mamba-cache-philox-rounds", "--mamba-ssm-cache-dtype",
               "--mamba-ssu-algorithm", "--replayssm-buffer-len"),
@@ -226,8 +222,7 @@ OLDER_VLLM_FLAGS: dict[str, RefusedFlag] = {
                 "--multi-step-stream-outputs"),
     **_values(_KERNELS, "--max-seq-len-to-capture"),
     **_values("this server has no guided decoding", "--guided-decoding-backend"),
-    **_values(_POOLING, "--task", neutral=("auto", "generate")),
-    **_values(_POOLING, "--override-pooler-config"),
+    **_values("vLLM renamed it --pooler-config; pass that", "--override-pooler-config"),
     **_values(_SPEC, "--speculative-model", "--num-speculative-tokens",
               "--num-lookahead-slots"),
     **_switches(_TOOLS, "--enable-reasoning"),

@@ -262,10 +262,11 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
     path = Path(directory)
     if kind in ("bert", "xlm-roberta"):
         tokenizer = train_wordpiece_tokenizer()
-        common: dict[str, Any] = {"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2,
-                  "num_attention_heads": 4, "intermediate_size": 128,
-                  "max_position_embeddings": 258 if kind == "xlm-roberta" else 256,
-                  "pad_token_id": 0}
+        common: dict[str, Any] = {
+            "vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 128,
+            "max_position_embeddings": 258 if kind == "xlm-roberta" else 256,
+            "pad_token_id": 0}
         config: Any = (transformers.BertConfig(**common) if kind == "bert"
                        else transformers.XLMRobertaConfig(**common))
         for name, value in overrides.items():
@@ -317,7 +318,6 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
 
 def build_cross_encoder(directory: str | Path, *, seed: int = 0, num_labels: int = 1) -> Path:
     """A random-weight BERT cross-encoder (``BertForSequenceClassification``)."""
-    import torch
     import transformers
 
     tokenizer = train_wordpiece_tokenizer()

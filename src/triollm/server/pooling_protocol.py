@@ -85,8 +85,9 @@ class ClassificationRequest(_InputRequest):
 
 
 class ScoreRequest(_PoolingFields):
-    """``POST /score`` and ``/v1/score``: vLLM's three spellings of the two sides
-    (``text_1``/``text_2``, ``data_1``/``data_2``, ``queries``/``documents``)."""
+    """``POST /score`` and ``/v1/score``: vLLM's spellings of the two sides
+    (``text_1``/``text_2``, ``data_1``/``data_2``, ``queries`` with ``documents`` or
+    ``items``)."""
 
     text_1: str | list[str] | None = None
     text_2: str | list[str] | None = None
@@ -94,6 +95,7 @@ class ScoreRequest(_PoolingFields):
     data_2: str | list[str] | None = None
     queries: str | list[str] | None = None
     documents: str | list[str] | None = None
+    items: str | list[str] | None = None
 
 
 class RerankDocument(BaseModel):

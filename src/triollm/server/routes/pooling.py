@@ -254,8 +254,9 @@ async def _scores(state: ServerState, body: _PoolingFields, pairs: list[tuple[st
 
 
 def _score_sides(body: ScoreRequest) -> tuple[Any, Any, tuple[str, str]]:
+    second_of_queries = "items" if body.items is not None else "documents"
     for first, second in (("text_1", "text_2"), ("data_1", "data_2"),
-                          ("queries", "documents")):
+                          ("queries", second_of_queries)):
         a, b = getattr(body, first), getattr(body, second)
         if a is not None or b is not None:
             if a is None or b is None:
