@@ -249,7 +249,7 @@ def _random_weights(model: Any, seed: int) -> None:
 
 def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
                           dense_features: int | None = None, normalize: bool = True,
-                          **overrides: Any) -> Path:
+                          max_seq_length: int = 128, **overrides: Any) -> Path:
     """A random-weight sentence-transformers folder under ``directory``.
 
     ``kind`` ``"bert"``: a BERT encoder with mean pooling (sentence-transformers' current
@@ -272,14 +272,15 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
         for name, value in overrides.items():
             setattr(config, name, value)
         model: Any = transformers.AutoModel.from_config(config, dtype=torch.float32)
-        pooling: dict[str, Any] = {"embedding_dimension": 64,
+        pooling: dict[str, Any] = {"embedding_dimension": config.hidden_size,
                                    "pooling_mode": "mean" if kind == "bert" else "cls"}
         module_types = "sentence_transformers.sentence_transformer.modules"
     elif kind == "qwen2":
         tokenizer = train_test_tokenizer()
         config = tiny_config("qwen2", len(tokenizer), **overrides)
         model = transformers.AutoModel.from_config(config, dtype=torch.float32)
-        pooling = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+        pooling = {"word_embedding_dimension": config.hidden_size,
+                   "pooling_mode_cls_token": False,
                    "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}
         module_types = "sentence_transformers.models"
     else:
@@ -299,11 +300,11 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
         modules.append({"idx": 2, "name": "2", "path": "2_Dense",
                         "type": "sentence_transformers.models.Dense"})
         _write_json(path / "2_Dense" / "config.json", {
-            "in_features": 64, "out_features": dense_features, "bias": True,
+            "in_features": config.hidden_size, "out_features": dense_features, "bias": True,
             "activation_function": "torch.nn.modules.activation.Tanh"})
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + 1)
-            linear = torch.nn.Linear(64, dense_features)
+            linear = torch.nn.Linear(config.hidden_size, dense_features)
         save_file({f"linear.{k}": v.contiguous() for k, v in linear.state_dict().items()},
                   str(path / "2_Dense" / "model.safetensors"))
     if normalize:
@@ -311,7 +312,7 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
                         "path": f"{len(modules)}_Normalize",
                         "type": "sentence_transformers.models.Normalize"})
     _write_json(path / "modules.json", modules)
-    _write_json(path / "sentence_bert_config.json", {"max_seq_length": 128,
+    _write_json(path / "sentence_bert_config.json", {"max_seq_length": max_seq_length,
                                                       "do_lower_case": False})
     return path
 
