@@ -11,8 +11,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-
-sentence_transformers = pytest.importorskip("sentence_transformers")
+import sentence_transformers
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -16,11 +16,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import sentence_transformers
 from tests.server_helpers import ThreadedServer, server_in_thread
 
 from triollm import AsyncEngineArgs, AsyncLLMEngine
-
-sentence_transformers = pytest.importorskip("sentence_transformers")
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello",
          "Paged attention keeps the KV cache in fixed-size blocks.", "a b c d e f g"]
