@@ -107,13 +107,17 @@ def flag_table() -> str:
     return "\n".join(rows)
 
 
+def _refused_field(name: str) -> str:
+    neutral, reason = REFUSED_FIELDS[name]
+    accepted = " or ".join(f"`{json.dumps(value)}`" for value in neutral)
+    return f"refused unless {accepted}: {reason}"
+
+
 def field_table() -> str:
     rows = ["| vLLM request field | in triollm |", "| --- | --- |"]
     for name in _names("vllm_request_fields.txt"):
         if name in REFUSED_FIELDS:
-            neutral, reason = REFUSED_FIELDS[name]
-            accepted = " or ".join(f"`{json.dumps(value)}`" for value in neutral)
-            status = f"refused unless {accepted}: {reason}"
+            status = _refused_field(name)
         else:
             status = FIELD_NOTES.get(name, "honoured")
         rows.append(f"| `{name}` | {status.replace('|', '/')} |")
@@ -155,9 +159,7 @@ def pooling_field_table() -> str:
     rows = ["| vLLM pooling request field | in triollm |", "| --- | --- |"]
     for name in _names("vllm_pooling_request_fields.txt"):
         if name in REFUSED_FIELDS:
-            neutral, reason = REFUSED_FIELDS[name]
-            accepted = " or ".join(f"`{json.dumps(value)}`" for value in neutral)
-            status = f"refused unless {accepted}: {reason}"
+            status = _refused_field(name)
         elif name in fields:
             status = POOLING_FIELD_NOTES.get(name, FIELD_NOTES.get(name, "honoured"))
         else:

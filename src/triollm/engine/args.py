@@ -119,6 +119,20 @@ def sampling_defaults(generation_config: Mapping[str, Any],
     return defaults
 
 
+def _json_object(name: str, value: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """A dict field that the command line gives as JSON text (None: empty)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise _fail(name, f"not JSON: {error}") from None
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _fail(name, f"must be a JSON object, got {value!r}")
+    return dict(value)
+
+
 #: Encoders whose positions start after the padding index (RoBERTa's scheme), so
 #: ``max_position_embeddings`` counts ``pad_token_id + 1`` positions no token uses.
 _OFFSET_POSITION_TYPES = frozenset({"roberta", "xlm-roberta", "camembert"})
@@ -319,17 +333,7 @@ class EngineArgs:
         return "pooling", "classify" if convert == "classify" else "embed"
 
     def _pooler_overrides(self) -> dict[str, Any]:
-        overrides = self.pooler_config
-        if isinstance(overrides, str):
-            try:
-                overrides = json.loads(overrides)
-            except json.JSONDecodeError as error:
-                raise _fail("pooler_config", f"not JSON: {error}") from None
-        if overrides is None:
-            return {}
-        if not isinstance(overrides, Mapping):
-            raise _fail("pooler_config", f"must be a JSON object, got {overrides!r}")
-        return dict(overrides)
+        return _json_object("pooler_config", self.pooler_config)
 
     def _generation_defaults(self) -> dict[str, Any]:
         """Sampling defaults, as vLLM's ``--generation-config``: ``auto`` reads the
@@ -337,17 +341,7 @@ class EngineArgs:
         ``override_generation_config`` applies on top."""
         from triollm.model.loader import load_generation_config
 
-        override = self.override_generation_config
-        if isinstance(override, str):
-            try:
-                override = json.loads(override)
-            except json.JSONDecodeError as error:
-                raise _fail("override_generation_config", f"not JSON: {error}") from None
-        if override is None:
-            override = {}
-        if not isinstance(override, Mapping):
-            raise _fail("override_generation_config", f"must be a JSON object, got "
-                        f"{override!r}")
+        override = _json_object("override_generation_config", self.override_generation_config)
         source = self.generation_config
         if not isinstance(source, str) or not source:
             raise _fail("generation_config", f"must be 'auto', 'vllm' or a directory, got "

@@ -123,13 +123,23 @@ def load_model(
     if model == DEMO_MODEL_NAME:
         logger.warning("%s is a built-in demo with random weights: it writes noise. Pass "
                        "--model / model= to serve a real model.", DEMO_MODEL_NAME)
+    return _instantiate(AutoModelForCausalLM, model, hf_config, kwargs, device,
+                        trust_remote_code, revision, download_dir)
+
+
+def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dict[str, Any],
+                 device: torch.device, trust_remote_code: bool, revision: str | None,
+                 download_dir: str | None) -> PreTrainedModel:
+    """``auto.from_pretrained`` (the demo model: seeded random weights), checked, in eval
+    mode on ``device``."""
+    if model == DEMO_MODEL_NAME:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            loaded = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+            loaded = auto.from_config(hf_config, **kwargs)
     else:
-        loaded = AutoModelForCausalLM.from_pretrained(
-            model, config=hf_config, trust_remote_code=trust_remote_code,
-            **_hub(revision, download_dir), **kwargs)
+        loaded = auto.from_pretrained(model, config=hf_config,
+                                      trust_remote_code=trust_remote_code,
+                                      **_hub(revision, download_dir), **kwargs)
     check_supported(type(loaded))
     return loaded.to(device).eval()
 
@@ -152,16 +162,8 @@ def load_pooling_model(
     auto: Any = (transformers.AutoModelForSequenceClassification if classify
                  else transformers.AutoModel)
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "dtype": dtype}
-    if model == DEMO_MODEL_NAME:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            loaded = auto.from_config(hf_config, **kwargs)
-    else:
-        loaded = auto.from_pretrained(model, config=hf_config,
-                                      trust_remote_code=trust_remote_code,
-                                      **_hub(revision, download_dir), **kwargs)
-    check_supported(type(loaded))
-    return loaded.to(device).eval()
+    return _instantiate(auto, model, hf_config, kwargs, device, trust_remote_code, revision,
+                        download_dir)
 
 
 def _causal_lm_class(hf_config: PretrainedConfig) -> type | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +51,16 @@ def bad_request(error: ValueError) -> OpenAIError:
     head, sep, _ = message.partition(":")
     param = head if sep and re.fullmatch(r"[A-Za-z_][\w.\[\]]*", head) else None
     return OpenAIError(400, message, param=param)
+
+
+def raise_first_answer(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """A task group of a request's prompts failed: if every error is an answer for the
+    client (one prompt's bad input, the engine gone), the first one answers; anything
+    else (a bug) propagates as it is."""
+    answers, _ = group.split(OpenAIError)
+    if answers is None or len(answers.exceptions) != len(group.exceptions):
+        raise group
+    raise answers.exceptions[0] from None
 
 
 def engine_unavailable(error: BaseException) -> OpenAIError:

@@ -25,7 +25,12 @@ from triollm.engine.inputs import PromptType, TokensPrompt
 from triollm.errors import EngineClosedError, EngineError
 from triollm.outputs import RequestOutput
 from triollm.sampling_params import SamplingParams, check_text
-from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
+from triollm.server.errors import (
+    OpenAIError,
+    bad_request,
+    engine_unavailable,
+    raise_first_answer,
+)
 from triollm.server.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from triollm.server.state import ServerState
 
@@ -154,11 +159,7 @@ async def submit(state: ServerState, prompts: Sequence[PromptType], params: Samp
             for index in range(len(streams)):
                 tasks.start_soon(start, index)
     except BaseExceptionGroup as group:
-        # One prompt's bad input, or the engine gone: the first such error answers.
-        answer, _ = group.split(OpenAIError)
-        if answer is None or len(answer.exceptions) != len(group.exceptions):
-            raise
-        raise answer.exceptions[0] from None
+        raise_first_answer(group)
     return [item for item in submitted if item is not None]
 
 

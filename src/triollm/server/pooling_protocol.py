@@ -117,19 +117,24 @@ class PoolingUsage(BaseModel):
     completion_tokens: int = 0
 
 
+class _ListResponse(BaseModel):
+    """What the list-shaped pooling replies share (``data`` is each one's own)."""
+
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: PoolingUsage
+
+
 class EmbeddingData(BaseModel):
     index: int
     object: Literal["embedding"] = "embedding"
     embedding: list[float] | str
 
 
-class EmbeddingResponse(BaseModel):
+class EmbeddingResponse(_ListResponse):
     id: str = Field(default_factory=lambda: random_id("embd"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[EmbeddingData]
-    usage: PoolingUsage
 
 
 class PoolingData(BaseModel):
@@ -138,13 +143,9 @@ class PoolingData(BaseModel):
     data: list[float] | str
 
 
-class PoolingResponse(BaseModel):
+class PoolingResponse(_ListResponse):
     id: str = Field(default_factory=lambda: random_id("pool"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[PoolingData]
-    usage: PoolingUsage
 
 
 class ClassificationData(BaseModel):
@@ -155,13 +156,9 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class ClassificationResponse(BaseModel):
+class ClassificationResponse(_ListResponse):
     id: str = Field(default_factory=lambda: random_id("classify"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[ClassificationData]
-    usage: PoolingUsage
 
 
 class ScoreData(BaseModel):
@@ -170,13 +167,9 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
+class ScoreResponse(_ListResponse):
     id: str = Field(default_factory=lambda: random_id("score"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[ScoreData]
-    usage: PoolingUsage
 
 
 class RerankResult(BaseModel):

@@ -25,7 +25,12 @@ from triollm.errors import EngineClosedError, EngineError
 from triollm.outputs import PoolingOutput, PoolingRequestOutput
 from triollm.pooling_params import PoolingParams, PoolingTask
 from triollm.sampling_params import check_text
-from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
+from triollm.server.errors import (
+    OpenAIError,
+    bad_request,
+    engine_unavailable,
+    raise_first_answer,
+)
 from triollm.server.generation import engine_request_id
 from triollm.server.pooling_protocol import (
     ClassificationData,
@@ -143,10 +148,7 @@ async def _encode_all(state: ServerState, prompts: Sequence[PromptType],
             for index in range(len(prompts)):
                 tasks.start_soon(one, index)
     except BaseExceptionGroup as group:
-        answers, _ = group.split(OpenAIError)
-        if answers is None or len(answers.exceptions) != len(group.exceptions):
-            raise
-        raise answers.exceptions[0] from None
+        raise_first_answer(group)
     return [result for result in results if result is not None]
 
 
@@ -178,14 +180,21 @@ def _request_id(request: Request, body: _PoolingFields, prefix: str) -> str:
 # -- routes ---------------------------------------------------------------------------------
 
 
+async def _vectors(body: EmbeddingRequest, request: Request, route: str,
+                   task: PoolingTask | None, prefix: str) -> tuple[str, str, list[Pooled]]:
+    """An embeddings or pooling request, run: its model name, id and outputs."""
+    state = server_state(request)
+    model = _checked(state, body, route, task)
+    params = _params(body, dimensions=body.dimensions, normalize=body.normalize, task=task)
+    request_id = _request_id(request, body, prefix)
+    return model, request_id, await _encode_all(state, _prompts(state, body), params,
+                                                request_id, body.priority)
+
+
 @router.post("/v1/embeddings", response_model=EmbeddingResponse)
 async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
-    state = server_state(request)
-    model = _checked(state, body, "/v1/embeddings", "embed")
-    params = _params(body, dimensions=body.dimensions, normalize=body.normalize)
-    request_id = _request_id(request, body, "embd")
-    outputs = await _encode_all(state, _prompts(state, body), params, request_id,
-                                body.priority)
+    model, request_id, outputs = await _vectors(body, request, "/v1/embeddings", "embed",
+                                                "embd")
     data = [EmbeddingData(index=i, embedding=_encoded(o.outputs.data, body.encoding_format))
             for i, o in enumerate(outputs)]
     return JSONResponse(EmbeddingResponse(id=request_id, model=model, data=data,
@@ -194,13 +203,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
 
 @router.post("/pooling", response_model=PoolingResponse)
 async def pooling(body: PoolingRequest, request: Request) -> JSONResponse:
-    state = server_state(request)
-    model = _checked(state, body, "/pooling", body.task)
-    params = _params(body, dimensions=body.dimensions, normalize=body.normalize,
-                     task=body.task)
-    request_id = _request_id(request, body, "pool")
-    outputs = await _encode_all(state, _prompts(state, body), params, request_id,
-                                body.priority)
+    model, request_id, outputs = await _vectors(body, request, "/pooling", body.task, "pool")
     data = [PoolingData(index=i, data=_encoded(o.outputs.data, body.encoding_format))
             for i, o in enumerate(outputs)]
     return JSONResponse(PoolingResponse(id=request_id, model=model, data=data,
