@@ -253,9 +253,10 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
     """A random-weight sentence-transformers folder under ``directory``.
 
     ``kind`` ``"bert"``: a BERT encoder with mean pooling (sentence-transformers' current
-    file format). ``"xlm-roberta"``: an XLM-R encoder with CLS pooling. ``"qwen2"``: a
-    Qwen2 decoder with last-token pooling (the legacy ``pooling_mode_*`` format, as
-    Qwen3-Embedding ships). ``dense_features`` adds a ``Dense`` (tanh) module."""
+    file format). ``"xlm-roberta"``: an XLM-R encoder with CLS pooling. ``"qwen2"``,
+    ``"qwen3"``, ``"llama"``: a decoder with last-token pooling (the legacy
+    ``pooling_mode_*`` format, as Qwen3-Embedding ships). ``dense_features`` adds a
+    ``Dense`` (tanh) module."""
     import torch
     import transformers
 
@@ -275,23 +276,24 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
         pooling: dict[str, Any] = {"embedding_dimension": config.hidden_size,
                                    "pooling_mode": "mean" if kind == "bert" else "cls"}
         module_types = "sentence_transformers.sentence_transformer.modules"
-    elif kind == "qwen2":
+    elif kind in ("qwen2", "qwen3", "llama"):
         tokenizer = train_test_tokenizer()
-        config = tiny_config("qwen2", len(tokenizer), **overrides)
+        config = tiny_config(kind, len(tokenizer), **overrides)
         model = transformers.AutoModel.from_config(config, dtype=torch.float32)
         pooling = {"word_embedding_dimension": config.hidden_size,
                    "pooling_mode_cls_token": False,
                    "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}
         module_types = "sentence_transformers.models"
     else:
-        raise ValueError(f"kind: expected 'bert', 'xlm-roberta' or 'qwen2', got {kind!r}")
+        raise ValueError(f"kind: expected 'bert', 'xlm-roberta', 'qwen2', 'qwen3' or 'llama', "
+                         f"got {kind!r}")
     _random_weights(model, seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     modules: list[dict[str, Any]] = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": f"{module_types}.pooling.Pooling"
-         if kind != "qwen2" else "sentence_transformers.models.Pooling"},
+         if kind in ("bert", "xlm-roberta") else "sentence_transformers.models.Pooling"},
     ]
     _write_json(path / "1_Pooling" / "config.json", pooling)
     if dense_features is not None:
