@@ -15,7 +15,7 @@ from triollm.engine.args import EngineArgs
 from triollm.engine.chat import ContentFormat, render_chat
 from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType, TokensPrompt
-from triollm.engine.scoring import cosine_similarity, cross_encoder_prompt, score_pairs
+from triollm.engine.scoring import plan_scoring, score_pairs
 from triollm.errors import RequestFailedError
 from triollm.outputs import (
     ClassificationRequestOutput,
@@ -176,29 +176,21 @@ class LLM:
         if pooler is None:
             raise ValueError("score: this model is loaded with runner='generate'; scoring "
                              "needs an embedding model or a cross-encoder")
-        if pooler.task == "classify":
-            if pooler.embedding_size != 1:
-                raise ValueError(f"score: a classifier with {pooler.embedding_size} labels "
-                                 f"is not a cross-encoder (one label); use classify()")
-            max_length = self.engine.config.model.max_model_len
-            prompts: list[PromptType] = [cross_encoder_prompt(
-                cast(Any, self.tokenizer), a, b, max_length=max_length,
-                truncate_prompt_tokens=truncate_prompt_tokens) for a, b in pairs]
-            outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="classify")
+        plan = plan_scoring(pooler, cast(Any, self.tokenizer), pairs,
+                            max_length=self.engine.config.model.max_model_len,
+                            truncate_prompt_tokens=truncate_prompt_tokens)
+        # a cross-encoder's pairs were truncated as they were tokenized
+        outputs = self.encode(plan.prompts, pooling_params, use_tqdm, pooling_task=plan.task,
+                              truncate_prompt_tokens=None if plan.pair_indices is None
+                              else truncate_prompt_tokens)
+        if plan.pair_indices is None:
             return [ScoringRequestOutput.from_base(output) for output in outputs]
-        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-        embedded = self.encode(cast(list[PromptType], texts), pooling_params, use_tqdm,
-                               pooling_task="embed",
-                               truncate_prompt_tokens=truncate_prompt_tokens)
-        by_text = dict(zip(texts, embedded, strict=True))
-        results = []
-        for index, (a, b) in enumerate(pairs):
-            first, second = by_text[a], by_text[b]
-            results.append(ScoringRequestOutput(
-                request_id=f"score-{index}", outputs=ScoringOutput(cosine_similarity(
-                    first.outputs.data, second.outputs.data)),
-                prompt_token_ids=first.prompt_token_ids + second.prompt_token_ids))
-        return results
+        scores = plan.scores([output.outputs.data for output in outputs])
+        return [ScoringRequestOutput(
+            request_id=f"score-{index}", outputs=ScoringOutput(score),
+            prompt_token_ids=outputs[a].prompt_token_ids + outputs[b].prompt_token_ids)
+            for index, (score, (a, b)) in enumerate(zip(scores, plan.pair_indices,
+                                                        strict=True))]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (between ``generate`` calls no request holds

@@ -150,15 +150,18 @@ class EngineCore:
             child.detokenizer = self.output_processor.make_detokenizer(child_params,
                                                                        processed.token_ids)
             children.append(child)
-        parent = ParentRequest(request_id, engine_id, processed.text, processed.token_ids,
-                               params.output_kind, children)
-        self._parents[engine_id] = parent
-        self._engine_ids[request_id] = engine_id
-        for child in children:
+        return self._register(ParentRequest(request_id, engine_id, processed.text,
+                                            processed.token_ids, params.output_kind, children))
+
+    def _register(self, parent: ParentRequest) -> str:
+        """Track a new request and queue its sequences; returns its engine id."""
+        self._parents[parent.engine_id] = parent
+        self._engine_ids[parent.request_id] = parent.engine_id
+        for child in parent.children:
             self._requests[child.request_id] = child
             self._parent_of[child.request_id] = parent
             self.scheduler.add_request(child)
-        return engine_id
+        return parent.engine_id
 
     def _check_scheduling(self, priority: int, slo: float | None,
                           ttft_slo: float | None) -> None:
@@ -188,14 +191,9 @@ class EngineCore:
                           self.clock() if arrival_time is None else arrival_time,
                           pooling_params=params, priority=priority,
                           is_latency_sensitive=is_latency_sensitive)
-        parent = ParentRequest(request_id, engine_id, processed.text, processed.token_ids,
-                               RequestOutputKind.FINAL_ONLY, [request], pooling=True)
-        self._parents[engine_id] = parent
-        self._engine_ids[request_id] = engine_id
-        self._requests[engine_id] = request
-        self._parent_of[engine_id] = parent
-        self.scheduler.add_request(request)
-        return engine_id
+        return self._register(ParentRequest(request_id, engine_id, processed.text,
+                                            processed.token_ids, RequestOutputKind.FINAL_ONLY,
+                                            [request], pooling=True))
 
     def _new_engine_id(self, request_id: str) -> str:
         return f"{request_id}-{next(self._sequence_numbers)}"

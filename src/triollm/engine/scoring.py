@@ -10,12 +10,18 @@ the two embeddings. No torch, no event loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
-from triollm.engine.inputs import TokensPrompt
+from triollm.engine.inputs import PromptType, TokensPrompt
 from triollm.sampling_params import check_text
 
-__all__ = ["PairTokenizer", "cosine_similarity", "cross_encoder_prompt", "score_pairs"]
+if TYPE_CHECKING:
+    from triollm.config import PoolerConfig
+    from triollm.pooling_params import PoolingTask
+
+__all__ = ["PairTokenizer", "ScoringPlan", "cosine_similarity", "cross_encoder_prompt",
+           "plan_scoring", "score_pairs"]
 
 
 class PairTokenizer(Protocol):
@@ -67,3 +73,42 @@ def cosine_similarity(a: Any, b: Any) -> float:
     """The cosine similarity of two 1-D tensors (duck-typed: no torch import here)."""
     denominator = float(a.norm()) * float(b.norm())
     return float(a.float() @ b.float()) / denominator if denominator else 0.0
+
+
+@dataclass(frozen=True)
+class ScoringPlan:
+    """What a score request pools, and how the pooled vectors become one score per pair."""
+
+    prompts: list[PromptType]
+    #: An embedding model's plan: each pair's two indices into ``prompts`` (each text is
+    #: embedded once). None for a cross-encoder, whose prompt ``i`` is pair ``i``.
+    pair_indices: list[tuple[int, int]] | None
+
+    @property
+    def task(self) -> PoolingTask:
+        return "classify" if self.pair_indices is None else "embed"
+
+    def scores(self, vectors: Sequence[Any]) -> list[float]:
+        """One score per pair from the pooled vectors, in ``prompts`` order."""
+        if self.pair_indices is None:
+            return [float(vector.reshape(-1)[0]) for vector in vectors]
+        return [cosine_similarity(vectors[a], vectors[b]) for a, b in self.pair_indices]
+
+
+def plan_scoring(pooler: PoolerConfig, tokenizer: PairTokenizer,
+                 pairs: list[tuple[str, str]], *, max_length: int,
+                 truncate_prompt_tokens: int | None = None) -> ScoringPlan:
+    """A cross-encoder (a classifier with one label) pools each pair as one prompt; an
+    embedding model embeds each distinct text. ``ValueError`` for a classifier with
+    several labels."""
+    if pooler.task == "classify":
+        if pooler.embedding_size != 1:
+            raise ValueError(f"model: a classifier with {pooler.embedding_size} labels is not "
+                             f"a cross-encoder (one label); scoring needs a cross-encoder or "
+                             f"an embedding model (use classify for label scores)")
+        return ScoringPlan([cross_encoder_prompt(
+            tokenizer, a, b, max_length=max_length,
+            truncate_prompt_tokens=truncate_prompt_tokens) for a, b in pairs], None)
+    texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+    index = {text: i for i, text in enumerate(texts)}
+    return ScoringPlan(list(texts), [(index[a], index[b]) for a, b in pairs])

@@ -41,7 +41,6 @@ class PoolingModelRunner:
         pooler_config = model_config.pooler
         if pooler_config is None:
             raise ValueError("runner: the pooling runner needs a pooling model config")
-        self.config = config
         self.task = pooler_config.task
         self.device = model_config.device
         self.dtype = model_config.dtype
@@ -57,8 +56,6 @@ class PoolingModelRunner:
         #: RoBERTa-style encoders number positions from ``padding_idx + 1``.
         self.position_offset = padding_idx + 1 if padding_idx is not None else 0
         self.uses_token_types = hasattr(embeddings, "token_type_embeddings")
-        self.is_encoder = not bool(getattr(model_config.hf_config, "is_decoder", False)) and (
-            embeddings is not None)
         self.head = self._classifier_head() if self.task == "classify" else None
         self.pooler = Pooler(pooler_config, model_config.model, self.device, **hub)
         self.compute_threads: ComputeThreads | None = None
@@ -106,12 +103,11 @@ class PoolingModelRunner:
     def _hidden(self, input_ids: list[int], positions: list[int],
                 token_types: list[int] | None, metadata: VarlenMetadata) -> torch.Tensor:
         device = self.device
-        kwargs: dict[str, object] = {}
+        # encoders and decoders both take use_cache; decoders would build a KV cache
+        kwargs: dict[str, object] = {"use_cache": False}
         if self.uses_token_types:
             types = token_types if token_types is not None else [0] * len(input_ids)
             kwargs["token_type_ids"] = torch.tensor(types, dtype=torch.long, device=device)[None]
-        if not self.is_encoder:
-            kwargs["use_cache"] = False
         output = self.encoder(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device)[None],
             position_ids=torch.tensor(positions, dtype=torch.long, device=device)[None],

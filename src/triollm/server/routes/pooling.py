@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from triollm.engine.inputs import PromptType, TokensPrompt
-from triollm.engine.scoring import cosine_similarity, cross_encoder_prompt, score_pairs
+from triollm.engine.scoring import plan_scoring, score_pairs
 from triollm.errors import EngineClosedError, EngineError
 from triollm.outputs import PoolingOutput, PoolingRequestOutput
 from triollm.pooling_params import PoolingParams, PoolingTask
@@ -234,26 +234,14 @@ async def _scores(state: ServerState, body: _PoolingFields, pairs: list[tuple[st
     model compares the two embeddings."""
     pooler = state.require_pooling("score")
     params = _params(body)
-    if pooler.task == "classify":
-        if pooler.embedding_size != 1:
-            raise OpenAIError(400, f"The model has {pooler.embedding_size} labels; scoring "
-                                   f"needs a cross-encoder (one label) or an embedding "
-                                   f"model.", param="model")
-        max_length = state.engine.config.model.max_model_len
-        try:
-            prompts: list[PromptType] = [cross_encoder_prompt(
-                state.engine.tokenizer, a, b, max_length=max_length,
-                truncate_prompt_tokens=body.truncate_prompt_tokens) for a, b in pairs]
-        except ValueError as error:
-            raise bad_request(error) from error
-        outputs = await _encode_all(state, prompts, params, request_id, body.priority)
-        return ([float(o.outputs.data.reshape(-1)[0]) for o in outputs], _usage(outputs))
-    texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-    embedded = await _encode_all(
-        state, [TokensPrompt(prompt_token_ids=state.engine.tokenizer.encode(t)) for t in texts],
-        params, request_id, body.priority)
-    by_text = {text: output.outputs.data for text, output in zip(texts, embedded, strict=True)}
-    return ([cosine_similarity(by_text[a], by_text[b]) for a, b in pairs], _usage(embedded))
+    try:
+        plan = plan_scoring(pooler, state.engine.tokenizer, pairs,
+                            max_length=state.engine.config.model.max_model_len,
+                            truncate_prompt_tokens=body.truncate_prompt_tokens)
+    except ValueError as error:
+        raise bad_request(error) from error
+    outputs = await _encode_all(state, plan.prompts, params, request_id, body.priority)
+    return plan.scores([output.outputs.data for output in outputs]), _usage(outputs)
 
 
 def _score_sides(body: ScoreRequest) -> tuple[Any, Any, tuple[str, str]]:
