@@ -18,6 +18,8 @@ def test_exports_are_exactly_the_public_api() -> None:
         "ClassificationOutput", "ClassificationRequestOutput", "EmbeddingOutput",
         "EmbeddingRequestOutput", "PoolingOutput", "PoolingRequestOutput", "ScoringOutput",
         "ScoringRequestOutput",
+        # LoRA adapters (also at vLLM's path, triollm.lora.request)
+        "LoRARequest",
     ])
     for name in triollm.__all__:
         assert getattr(triollm, name) is not None

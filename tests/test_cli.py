@@ -146,9 +146,9 @@ def test_every_vllm_flag_is_known() -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--quantization", "awq"], "--quantization awq: not supported by triollm: quantized"),
     (["--kv-cache-dtype", "fp8"], "(only auto is accepted)"),
-    (["--enable-lora"], "--enable-lora: not supported by triollm: LoRA"),
+    (["--fully-sharded-loras"], "--fully-sharded-loras: not supported by triollm: this LoRA"),
     (["--pipeline-parallel-size", "2"], "one device"),
-    (["--lora-modules", "a=/x", "b=/y"], "--lora-modules a=/x b=/y: not supported"),
+    (["--lora-modules", "a/x"], "expected name=path or a JSON object"),
     (["--otlp-traces-endpoint", "http://c:4317"], "tracing is not implemented"),
     (["--swap-space", "16"], "--swap-space 16: not supported by triollm: triollm never swaps"),
     (["--use-v2-block-manager"], "removed from vLLM since"),
@@ -167,6 +167,19 @@ def test_vllm_flags_that_ask_for_what_triollm_does_are_accepted() -> None:
                       "generate", "--model-impl", "transformers", "--swap-space", "0",
                       "--task", "generate")
     assert engine.model == "m"
+
+
+def test_lora_flags_reach_the_engine_and_the_server() -> None:
+    engine, options = parse(
+        "m", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "32", "--max-cpu-loras",
+        "8", "--lora-dtype", "float32", "--lora-target-modules", "q_proj", "v_proj",
+        "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat", '
+        '"base_model_name": "m"}')
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras,
+            engine.lora_dtype, engine.lora_target_modules) == (
+        True, 4, 32, 8, "float32", ["q_proj", "v_proj"])
+    assert [(m.name, m.path, m.base_model_name) for m in options.lora_modules] == [
+        ("sql", "/a/sql", None), ("chat", "/a/chat", "m")]
 
 
 def test_vllm_module_path_runs_the_same_server() -> None:

@@ -92,6 +92,7 @@ EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
     "triollm.engine.block_manager", "triollm.engine.step_time", "triollm.engine.detokenizer",
     "triollm.engine.inputs", "triollm.engine.chat", "triollm.engine.output_processor",
     "triollm.engine.stats", "triollm.pooling_params", "triollm.engine.scoring",
+    "triollm.lora.request",
 ])
 def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
     assert forbidden(module, ("torch", "transformers", *EVENT_LOOPS)) == []

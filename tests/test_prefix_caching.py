@@ -191,12 +191,18 @@ def test_only_requests_with_the_same_cache_salt_share_blocks(
 
 def test_block_hashes_are_sha256_chained_over_the_whole_prefix() -> None:
     """Blocks are named by a collision-resistant hash of everything before them: the
-    same tokens after another prefix, or under another salt, are another block."""
+    same tokens after another prefix, or under another salt or LoRA adapter, are another
+    block."""
     from triollm.engine.block_manager import _chain_hash, _chain_root
 
-    first = _chain_hash(_chain_root(None), [1, 2, 3, 4])
+    def root(salt: str | None = None, adapter: tuple[int, int] | None = None) -> bytes:
+        return _chain_root(salt, adapter)
+
+    first = _chain_hash(root(), [1, 2, 3, 4])
     assert len(first) == 32  # a SHA-256 digest, not Python's 64-bit hash()
-    assert _chain_hash(first, [5, 6, 7, 8]) != _chain_hash(_chain_root(None), [5, 6, 7, 8])
-    assert _chain_hash(_chain_root("s"), [1, 2, 3, 4]) != first
-    assert _chain_hash(_chain_root("s"), [1, 2, 3, 4]) == _chain_hash(_chain_root("s"),
-                                                                      [1, 2, 3, 4])
+    assert _chain_hash(first, [5, 6, 7, 8]) != _chain_hash(root(), [5, 6, 7, 8])
+    assert _chain_hash(root("s"), [1, 2, 3, 4]) != first
+    assert _chain_hash(root("s"), [1, 2, 3, 4]) == _chain_hash(root("s"), [1, 2, 3, 4])
+    roots = {root(), root("s"), root(adapter=(1, 0)), root(adapter=(2, 0)),
+             root(adapter=(1, 1)), root("s", (1, 0)), root("(1, 0)")}
+    assert len(roots) == 7

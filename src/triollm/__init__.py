@@ -8,6 +8,7 @@ from triollm.engine.inputs import TextPrompt, TokensPrompt
 from triollm.engine.stats import EngineStatistics
 from triollm.errors import EngineClosedError, EngineDeadError, EngineError, RequestFailedError
 from triollm.llm import LLM
+from triollm.lora.request import LoRARequest
 from triollm.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -40,6 +41,7 @@ __all__ = [
     "EngineDeadError",
     "EngineError",
     "EngineStatistics",
+    "LoRARequest",
     "Logprob",
     "ModelRunner",
     "PoolingOutput",

@@ -26,6 +26,7 @@ from triollm.refused_flags import add_refused_flags
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
+    from triollm.server.routes.lora import LoRAModulePath
     from triollm.server.serve import ServerOptions
 
 __all__ = [
@@ -80,6 +81,16 @@ _HELP = {
               "sentence-transformers folders, *ForSequenceClassification and bare encoders)",
     "convert": "what a pooling model computes: embed, classify, or auto",
     "task": "vLLM's older spelling of --runner/--convert: generate, embed, classify, score",
+    "enable_lora": "serve LoRA adapters over the model (--lora-modules, or "
+                   "/v1/load_lora_adapter with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+    "max_loras": "distinct adapters one engine step may hold; requests for others wait "
+                 "their turn",
+    "max_lora_rank": "the highest adapter rank accepted",
+    "max_cpu_loras": "adapters kept loaded in memory (default: --max-loras); others are "
+                     "read again from their path when needed",
+    "lora_dtype": "dtype of the adapters' weights: auto (the model's), bfloat16, float32",
+    "lora_target_modules": "only these module names take adapters (default: every linear "
+                           "layer but the LM head)",
     "pooler_config": 'overrides of the model\'s pooling as JSON: pooling_type (MEAN, CLS, '
                      'LAST), use_activation (normalize), dimensions '
                      '(e.g. \'{"pooling_type": "MEAN"}\')',
@@ -125,6 +136,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
             continue
         options = [a for a in typing.get_args(kind) if a is not type(None)]
         base: Any = options[0] if isinstance(kind, types.UnionType) and options else kind
+        if typing.get_origin(base) is list:
+            parser.add_argument(flag, nargs="+", default=field.default, help=help_text)
+            continue
         if base not in (int, float, str):
             base = str
         if field.name in _TOKEN_COUNTS:
@@ -163,6 +177,8 @@ def _serve(namespace: argparse.Namespace) -> int:
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     args = engine_args_from_namespace(namespace, AsyncEngineArgs)
     assert isinstance(args, AsyncEngineArgs)
+    if options.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     engine = AsyncLLMEngine.from_engine_args(args)  # validates the arguments first
     return serve_blocking(engine, options)
 
@@ -199,7 +215,8 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
             allow_credentials=namespace.allow_credentials,
             allowed_methods=tuple(namespace.allowed_methods),
             allowed_headers=tuple(namespace.allowed_headers)),
-        log_stats_interval=None if namespace.disable_log_stats else 10.0)
+        log_stats_interval=None if namespace.disable_log_stats else 10.0,
+        lora_modules=tuple(namespace.lora_modules))
 
 
 def _json_list(text: str) -> list[str]:
@@ -211,6 +228,15 @@ def _json_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f'expected a JSON list of strings like ["*"], got '
                                          f"{text!r}")
     return value
+
+
+def _lora_module(text: str) -> LoRAModulePath:
+    from triollm.server.routes.lora import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -280,6 +306,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     server.add_argument("--log-level", default=None, type=str.lower,
                         choices=["debug", "info", "warning", "error", "critical"],
                         help="log level (overrides --uvicorn-log-level)")
+    server.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[],
+                        help="LoRA adapters served under their own model names, each "
+                             "name=path or JSON {\"name\": ..., \"path\": ..., "
+                             "\"base_model_name\": ...} (needs --enable-lora)")
     server.add_argument("--config", default=None,
                         help="a YAML file of flags (keys are flag names without --); flags "
                              "on the command line win")

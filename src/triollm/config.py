@@ -25,6 +25,7 @@ __all__ = [
     "CacheConfig",
     "DecodingConfig",
     "EngineConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "PoolerConfig",
@@ -126,6 +127,26 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     policy: SchedulingPolicy
+    #: Distinct LoRA adapters among the running requests (None: LoRA is off).
+    max_loras: int | None = None
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters over the base model (``enable_lora``), with vLLM's names."""
+
+    #: Distinct adapters one step may hold (the runner keeps this many resident).
+    max_loras: int
+    #: The highest adapter rank accepted.
+    max_lora_rank: int
+    #: Adapters kept loaded in host memory, least recently used dropped first
+    #: (>= ``max_loras``).
+    max_cpu_loras: int
+    #: The dtype the adapters' weights compute in.
+    lora_dtype: torch.dtype
+    #: Only these module names (``q_proj``, ``down_proj``...) take adapters; None: every
+    #: linear layer of the decoder.
+    target_modules: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +154,8 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    #: None unless ``enable_lora``.
+    lora: LoRAConfig | None = None
 
 
 @dataclass(frozen=True)

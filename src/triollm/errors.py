@@ -4,7 +4,9 @@
 Exception
 ├── ValueError
 │   ├── (bad arguments, prompts and sampling parameters: the message names the field)
-│   └── UnsupportedModelError      the architecture bypasses transformers' attention interface
+│   ├── UnsupportedModelError      the architecture bypasses transformers' attention interface
+│   └── LoRAAdapterError           a LoRA adapter that cannot be served on this model
+│       └── LoRAAdapterNotFoundError   no adapter at that path
 └── RuntimeError
     └── EngineError                base of the async engine's errors
         ├── EngineDeadError        a step failed; __cause__ is the original exception
@@ -16,13 +18,22 @@ Exception
 
 from __future__ import annotations
 
-__all__ = ["EngineClosedError", "EngineDeadError", "EngineError", "RequestFailedError",
-           "UnsupportedModelError"]
+__all__ = ["EngineClosedError", "EngineDeadError", "EngineError", "LoRAAdapterError",
+           "LoRAAdapterNotFoundError", "RequestFailedError", "UnsupportedModelError"]
 
 
 class UnsupportedModelError(ValueError):
     """The model's architecture does not route attention through transformers'
     attention interface, so the engine cannot plug its paged attention into it."""
+
+
+class LoRAAdapterError(ValueError):
+    """A LoRA adapter that cannot be served on this model; the message says why (a rank
+    above ``max_lora_rank``, a module the model lacks, DoRA...)."""
+
+
+class LoRAAdapterNotFoundError(LoRAAdapterError):
+    """No PEFT adapter (``adapter_config.json``) at the path given."""
 
 
 class EngineError(RuntimeError):

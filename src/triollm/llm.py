@@ -17,6 +17,7 @@ from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType, TokensPrompt
 from triollm.engine.scoring import plan_scoring, score_pairs
 from triollm.errors import RequestFailedError
+from triollm.lora.request import LoRARequest
 from triollm.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -74,10 +75,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One finished ``RequestOutput`` per prompt, in input order. ``priority`` (one
-        per prompt, lower first) needs ``scheduling_policy="priority"``."""
+        per prompt, lower first) needs ``scheduling_policy="priority"``.
+        ``lora_request`` (one for all prompts, or one per prompt, None for the base
+        model) needs ``enable_lora=True``; prompts for different adapters and for the
+        base model run in the same steps."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             params_list = [self.get_default_sampling_params() for _ in prompt_list]
@@ -92,7 +97,7 @@ class LLM:
                                    "output_kind": RequestOutputKind.FINAL_ONLY})
                  for params in params_list]
         outputs = self._run(prompt_list, final, _priorities(priority, len(prompt_list)),
-                            use_tqdm)
+                            use_tqdm, _adapters(lora_request, len(prompt_list)))
         return [output for output in outputs if isinstance(output, RequestOutput)]
 
     # -- pooling models (runner="pooling") ---------------------------------------------
@@ -210,6 +215,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the chat template (vLLM's
         arguments: content given as a string or as OpenAI's text parts,
@@ -227,18 +233,24 @@ class LLM:
             documents=documents, chat_template_kwargs=chat_template_kwargs,
             content_format=chat_template_content_format))
             for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, prompts: list[PromptType],
              params_list: Sequence[SamplingParams | PoolingParams],
-             priorities: list[int], use_tqdm: bool) -> list[EngineOutput]:
+             priorities: list[int], use_tqdm: bool,
+             adapters: list[LoRARequest | None] | None = None) -> list[EngineOutput]:
         engine = self.engine
         ids = [f"{next(self._ids)}" for _ in prompts]
+        adapters = adapters or [None] * len(prompts)
+        for adapter in adapters:
+            if adapter is not None and not engine.has_lora(adapter):
+                engine.add_lora(adapter)
         added: list[str] = []
         try:
-            for request_id, prompt, params, priority in zip(ids, prompts, params_list,
-                                                            priorities, strict=True):
-                engine.add_request(request_id, prompt, params, priority=priority)
+            for request_id, prompt, params, priority, adapter in zip(
+                    ids, prompts, params_list, priorities, adapters, strict=True):
+                engine.add_request(request_id, prompt, params, priority=priority,
+                                   lora_request=adapter)
                 added.append(request_id)
         except BaseException:
             engine.abort_requests(added)
@@ -269,6 +281,16 @@ class LLM:
         finally:
             bar.close()
         return [results[request_id] for request_id in ids]
+
+
+def _adapters(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+              count: int) -> list[LoRARequest | None] | None:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    adapters = list(lora_request)
+    if len(adapters) != count:
+        raise ValueError(f"lora_request: got {len(adapters)} for {count} prompts")
+    return adapters
 
 
 def _priorities(priority: Sequence[int] | None, count: int) -> list[int]:

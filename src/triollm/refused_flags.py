@@ -18,7 +18,9 @@ __all__ = ["OLDER_VLLM_FLAGS", "REFUSED_FLAGS", "RefusedFlag", "add_refused_flag
 _PARALLEL = "triollm runs one model on one device in one process (no tensor, pipeline, " \
             "data, context or expert parallelism)"
 _MULTIMODAL = "triollm serves text-only models"
-_LORA = "LoRA adapters are not supported yet"
+_LORA = "this LoRA option is not supported: triollm serves LoRA adapters on the linear " \
+        "layers of text generation models (--enable-lora, --lora-modules, --max-loras, " \
+        "--max-lora-rank, --max-cpu-loras, --lora-dtype, --lora-target-modules)"
 _QUANT = "quantized weights and KV caches are not supported: weights load in --dtype"
 _KERNELS = "vLLM's kernel, CUDA-graph and compilation settings have no counterpart: " \
            "triollm compiles only its CPU decode attention (--enforce-eager turns it off)"
@@ -102,12 +104,10 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
                 "--enable-prompt-embeds"),
     **_switches(_MULTIMODAL + " (every model is language-only)", "--language-model-only"),
     # LoRA
-    **_switches(_LORA, "--enable-lora", "--enable-mixed-moe-lora-format",
-                "--enable-moe-shared-loras", "--enable-tower-connector-lora",
-                "--fully-sharded-loras", "--specialize-active-lora"),
-    **_values(_LORA, "--default-mm-loras", "--lora-dtype", "--max-cpu-loras",
-              "--max-lora-cls-labels", "--max-lora-rank", "--max-loras"),
-    **_lists(_LORA, "--lora-modules", "--lora-target-modules"),
+    **_switches(_LORA, "--enable-mixed-moe-lora-format", "--enable-moe-shared-loras",
+                "--enable-tower-connector-lora", "--fully-sharded-loras",
+                "--specialize-active-lora"),
+    **_values(_LORA, "--default-mm-loras", "--max-lora-cls-labels"),
     # quantization and kernels
     **_values(_QUANT, "--quantization", "--quantization-config"),
     **_values(_QUANT, "--kv-cache-dtype", neutral=("auto",)),

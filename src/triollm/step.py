@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from triollm.lora.request import LoRARequest
 from triollm.pooling_params import PoolingParams
 from triollm.sampling_params import SamplingParams
 
-__all__ = ["ModelRunner", "RunnerOutput", "ScheduledRequest", "SchedulerOutput",
+__all__ = ["LoRAModelRunner", "ModelRunner", "RunnerOutput", "ScheduledRequest", "SchedulerOutput",
            "TokenLogprobs"]
 
 
@@ -36,6 +37,8 @@ class ScheduledRequest:
     #: Exactly one of the two is set: a generation request's or a pooling request's.
     sampling_params: SamplingParams | None
     pooling_params: PoolingParams | None = None
+    #: The LoRA adapter this request's tokens run through (None: the base model).
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -114,4 +117,20 @@ class ModelRunner(Protocol):
 
     def shutdown(self) -> None:
         """Release the model and its cache. Called once, from the same thread."""
+        ...
+
+
+@runtime_checkable
+class LoRAModelRunner(ModelRunner, Protocol):
+    """A runner that serves LoRA adapters (``enable_lora``)."""
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (``ValueError`` if it does not fit the model); False if it
+        was loaded already."""
+        ...
+
+    def remove_lora(self, lora_id: int) -> bool:
+        ...
+
+    def list_loras(self) -> set[int]:
         ...

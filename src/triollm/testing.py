@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -194,6 +194,39 @@ def build_tiny_model(
     path = Path(directory)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def build_lora_adapter(
+    base: str | Path,
+    directory: str | Path,
+    *,
+    rank: int = 8,
+    alpha: int = 16,
+    target_modules: Sequence[str] = ("q_proj", "v_proj"),
+    seed: int = 0,
+    scale: float = 0.1,
+    **config: Any,
+) -> Path:
+    """Save a random PEFT LoRA adapter for the model at ``base`` under ``directory``:
+    made with PEFT's own ``get_peft_model`` and ``save_pretrained``, with every A and B
+    drawn from N(0, ``scale``) (so B is not zero and the adapter changes the output).
+    ``config`` goes to ``peft.LoraConfig`` (``use_rslora``, ``rank_pattern``...)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora_config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules),
+                             lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **config)
+    peft_model = get_peft_model(model, lora_config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, parameter in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                parameter.data.normal_(0.0, scale)
+    path = Path(directory)
+    peft_model.save_pretrained(str(path))
     return path
 
 

@@ -18,6 +18,7 @@ from triollm.config import (
     POLICIES,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     RunnerKind,
     SchedulerConfig,
@@ -200,6 +201,17 @@ class EngineArgs:
     #: Overrides of the model's pooling: ``pooling_type`` (MEAN, CLS, LAST),
     #: ``use_activation`` (``normalize``), ``dimensions``; a dict or JSON.
     pooler_config: dict[str, Any] | str | None = None
+    #: Serve LoRA adapters over the base model (``LoRARequest`` on each request).
+    enable_lora: bool = False
+    #: Distinct adapters one step may hold; adapters past it wait their turn.
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    #: Adapters kept loaded in host memory (None: ``max_loras``).
+    max_cpu_loras: int | None = None
+    #: ``auto`` (the model's dtype), ``bfloat16`` or ``float32`` (``float16`` on CUDA).
+    lora_dtype: str = "auto"
+    #: Only these module names take adapters (None: every linear layer of the decoder).
+    lora_target_modules: list[str] | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
@@ -287,8 +299,37 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
             policy=next(p for p in POLICIES if p == self.scheduling_policy),
+            max_loras=self.max_loras if self.enable_lora else None,
         )
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler,
+                            lora=self._lora_config(runner, device, dtype))
+
+    def _lora_config(self, runner: RunnerKind, device: torch.device,
+                     dtype: torch.dtype) -> LoRAConfig | None:
+        if not self.enable_lora:
+            for name in ("max_cpu_loras", "lora_target_modules"):
+                if getattr(self, name) is not None:
+                    raise _fail(name, "needs enable_lora=True")
+            return None
+        if runner != "generate":
+            raise _fail("enable_lora", "LoRA adapters are served over generation models "
+                        "(runner='generate'); this model is loaded with runner='pooling'")
+        max_cpu_loras = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        if max_cpu_loras < self.max_loras:
+            raise _fail("max_cpu_loras", f"{max_cpu_loras} must be >= max_loras="
+                        f"{self.max_loras}")
+        lora_dtype = dtype if self.lora_dtype == "auto" else resolve_dtype(self.lora_dtype,
+                                                                          device)
+        targets = self.lora_target_modules
+        if targets is not None:
+            if (isinstance(targets, str) or not targets
+                    or not all(isinstance(t, str) and t for t in targets)):
+                raise _fail("lora_target_modules", f"must be a non-empty list of module "
+                            f"names, got {targets!r}")
+            targets = list(targets)
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=max_cpu_loras, lora_dtype=lora_dtype,
+                          target_modules=None if targets is None else tuple(targets))
 
     def _resolve_runner(self, hf_config: PretrainedConfig, hub: dict[str, Any]
                         ) -> tuple[RunnerKind, PoolingTask | None]:
@@ -393,6 +434,12 @@ class EngineArgs:
         if self.scheduling_policy not in POLICIES:
             raise _fail("scheduling_policy", f"must be one of {POLICIES}, got "
                         f"{self.scheduling_policy!r}")
+        positive_int("max_loras", self.max_loras)
+        positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None:
+            positive_int("max_cpu_loras", self.max_cpu_loras)
+        if not isinstance(self.enable_lora, bool):
+            raise _fail("enable_lora", f"must be True or False, got {self.enable_lora!r}")
         if not isinstance(self.seed, int):
             raise _fail("seed", f"must be an integer, got {self.seed!r}")
 

@@ -29,14 +29,16 @@ from triollm.engine.inputs import PromptType
 from triollm.engine.stats import EngineStatistics, StatLogger, StatLoggers, stat_logger_list
 from triollm.engine.worker import ModelWorker, open_model_worker
 from triollm.errors import EngineClosedError, EngineDeadError, RequestFailedError
+from triollm.lora.request import LoRARequest
 from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from triollm.pooling_params import PoolingParams
 from triollm.sampling_params import SamplingParams
+from triollm.step import LoRAModelRunner
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from triollm.config import EngineConfig, ModelConfig, SchedulerConfig
+    from triollm.config import EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
     from triollm.engine.args import AsyncEngineArgs
     from triollm.step import ModelRunner
 
@@ -267,7 +269,7 @@ class AsyncLLMEngine:
         request_id: str,
         *,
         priority: int = 0,
-        lora_request: object = None,
+        lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
         is_latency_sensitive: bool = False,
         slo: float | None = None,
@@ -284,13 +286,16 @@ class AsyncLLMEngine:
         ``ttft_slo`` (target seconds to the first token) mark a request for SLO-aware
         co-serving under ``scheduling_policy="slo"``; whether it met them is in the final
         output's ``metrics.slo_attained``. ``sampling_params=None`` takes
-        ``get_default_sampling_params()``.
+        ``get_default_sampling_params()``. ``lora_request`` runs the request through a
+        LoRA adapter (``enable_lora``), loaded on first use.
         """
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        self._check_extras(lora_request, trace_headers)
+        self._check_tracing(trace_headers)
+        if lora_request is not None:
+            await self._ensure_lora(lora_request)
         channel = self._add_request(prompt, sampling_params, request_id, priority,
-                                    is_latency_sensitive, slo, ttft_slo)
+                                    is_latency_sensitive, slo, ttft_slo, lora_request)
         async with aclosing(self._stream(channel)) as stream:
             async for output in stream:
                 assert isinstance(output, RequestOutput)
@@ -301,7 +306,7 @@ class AsyncLLMEngine:
         prompt: PromptType,
         pooling_params: PoolingParams | None,
         request_id: str,
-        lora_request: object = None,
+        lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         *,
@@ -311,19 +316,17 @@ class AsyncLLMEngine:
         finished ``PoolingRequestOutput`` whose ``outputs.data`` is a 1-D float32
         tensor (an embedding, or a classifier's label scores). Leaving early aborts the
         request; an aborted request's stream ends without an output. Raises
-        ``ValueError`` for bad input or a generation model."""
-        self._check_extras(lora_request, trace_headers)
+        ``ValueError`` for bad input or a generation model (and for a ``lora_request``:
+        LoRA adapters are served over generation models)."""
+        self._check_tracing(trace_headers)
         channel = self._add_request(prompt, pooling_params or PoolingParams(), request_id,
-                                    priority, is_latency_sensitive)
+                                    priority, is_latency_sensitive, lora_request=lora_request)
         async with aclosing(self._stream(channel)) as stream:
             async for output in stream:
                 assert isinstance(output, PoolingRequestOutput)
                 yield output
 
-    def _check_extras(self, lora_request: object,
-                      trace_headers: Mapping[str, str] | None) -> None:
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported yet")
+    def _check_tracing(self, trace_headers: Mapping[str, str] | None) -> None:
         if trace_headers and not self._warned_tracing:
             # as vLLM when no OTLP endpoint is set: said once, the request goes on
             self._warned_tracing = True
@@ -354,7 +357,8 @@ class AsyncLLMEngine:
                      request_id: str,
                      priority: int, is_latency_sensitive: bool = False,
                      slo: float | None = None,
-                     ttft_slo: float | None = None) -> RequestChannel:
+                     ttft_slo: float | None = None,
+                     lora_request: LoRARequest | None = None) -> RequestChannel:
         self._raise_if_dead()
         core = self._core
         if not self._running or core is None:
@@ -364,7 +368,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         engine_id = core.add_request(request_id, prompt, params, priority=priority,
                                      is_latency_sensitive=is_latency_sensitive, slo=slo,
-                                     ttft_slo=ttft_slo)
+                                     ttft_slo=ttft_slo, lora_request=lora_request)
         channel = self._channels.open(request_id, params.output_kind, engine_id)
         if self.log_requests:
             self._log_request(request_id, prompt, params)
@@ -471,10 +475,53 @@ class AsyncLLMEngine:
         """One model on one device in one process."""
         return ParallelConfig()
 
-    async def get_lora_config(self) -> None:
-        """None: LoRA adapters are not enabled (not supported yet), as vLLM answers
-        without ``enable_lora``."""
-        return None
+    async def get_lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings; None without ``enable_lora``, as vLLM answers."""
+        return self.config.lora
+
+    # -- LoRA adapters -------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now, in the model thread. Raises ``ValueError`` naming what
+        does not fit (LoRA not enabled, a rank above ``max_lora_rank``, modules the
+        model lacks, an id already used by another adapter). False if it was added
+        already (``load_inplace=True`` reads it again)."""
+        core, worker, runner = self._lora_parts()
+        if not core.lora_to_load(lora_request):
+            return False
+        await worker.run_sync(runner.add_lora, lora_request)
+        core.register_lora(lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; requests already running with it finish with it. False if
+        it was not added."""
+        core, worker, runner = self._lora_parts()
+        removed = core.forget_lora(lora_id)
+        await worker.run_sync(runner.remove_lora, lora_id)
+        return removed
+
+    async def list_loras(self) -> set[int]:
+        """The ids of the adapters added (and not removed)."""
+        core, _, _ = self._lora_parts()
+        await anyio.lowlevel.checkpoint()
+        return core.list_loras()
+
+    async def _ensure_lora(self, lora_request: LoRARequest) -> None:
+        core, _, _ = self._lora_parts()
+        if not core.has_lora(lora_request):
+            await self.add_lora(lora_request)
+
+    def _lora_parts(self) -> tuple[EngineCore, ModelWorker, LoRAModelRunner]:
+        self._raise_if_dead()
+        core, worker = self._core, self._worker
+        if not self._running or core is None or worker is None:
+            raise EngineClosedError("the engine is not running")
+        runner = core.runner
+        if self.config.lora is None or not isinstance(runner, LoRAModelRunner):
+            raise ValueError("lora_request: LoRA is not enabled; start the engine with "
+                             "enable_lora=True (--enable-lora)")
+        return core, worker, runner
 
     async def is_tracing_enabled(self) -> bool:
         """False: this engine exports no traces (``trace_headers`` are not used)."""

@@ -17,7 +17,9 @@ The hash is SHA-256 because a hit hands one request the KV another computed: wit
 weak hash, a crafted prompt could collide with another user's prefix and read their
 KV (vLLM's advisory GHSA-rm76-4mrf-v9r8; vLLM uses SHA-256 since 0.10.2). A request's
 ``cache_salt`` starts its chain from a root of its own, so only requests with the same
-salt share blocks (a tenant can opt out of sharing).
+salt share blocks (a tenant can opt out of sharing). So does a request's LoRA adapter
+(its id, and the version of its weights): two adapters, or the base model and an
+adapter, never share KV.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["BlockManager", "BlockManagerStatistics"]
+__all__ = ["AdapterKey", "BlockManager", "BlockManagerStatistics"]
 
 
 @dataclass(frozen=True)
@@ -45,11 +47,17 @@ class BlockManagerStatistics:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
-def _chain_root(salt: str | None) -> bytes:
-    """Where a request's chain of block hashes starts: its salt's own root, if any."""
-    if salt is None:
+#: A LoRA adapter's id and the version of its weights (bumped when they are reloaded).
+AdapterKey = tuple[int, int]
+
+
+def _chain_root(salt: str | None, adapter: AdapterKey | None) -> bytes:
+    """Where a request's chain of block hashes starts: a root of its own for a salt or
+    an adapter, if it has either."""
+    if salt is None and adapter is None:
         return b""
-    return hashlib.sha256(b"triollm cache salt\0" + salt.encode()).digest()
+    # repr of a (str | None, tuple | None) pair is unambiguous (the string is quoted)
+    return hashlib.sha256(b"triollm prefix root\0" + repr((salt, adapter)).encode()).digest()
 
 
 def _chain_hash(parent: bytes, block_token_ids: list[int]) -> bytes:
@@ -124,7 +132,8 @@ class BlockManager:
     # -- prefix caching ----------------------------------------------------------------
 
     def attach_cached_prefix(self, request_id: str, token_ids: list[int], *,
-                             salt: str | None = None) -> int:
+                             salt: str | None = None, adapter: AdapterKey | None = None
+                             ) -> int:
         """Give a request that holds no blocks the cached blocks of its longest cached
         prefix; returns how many tokens they cover (always fewer than ``token_ids``, so
         at least the last token is computed)."""
@@ -133,7 +142,7 @@ class BlockManager:
         size = self.block_size
         hashes: list[bytes] = []
         blocks: list[int] = []
-        parent = _chain_root(salt)
+        parent = _chain_root(salt, adapter)
         # A full hit would leave nothing to compute: look at one token fewer.
         for start in range(0, len(token_ids) - 1 - size + 1, size):
             parent = _chain_hash(parent, token_ids[start:start + size])
@@ -155,7 +164,8 @@ class BlockManager:
         return len(blocks) * size
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int],
-                          num_computed_tokens: int, *, salt: str | None = None) -> None:
+                          num_computed_tokens: int, *, salt: str | None = None,
+                          adapter: AdapterKey | None = None) -> None:
         """Record the blocks that ``num_computed_tokens`` computed tokens now fill."""
         if not self.enable_prefix_caching:
             return
@@ -167,7 +177,7 @@ class BlockManager:
         full = min(num_computed_tokens // size, len(table))
         while len(hashes) < full:
             index = len(hashes)
-            parent = hashes[-1] if hashes else _chain_root(salt)
+            parent = hashes[-1] if hashes else _chain_root(salt, adapter)
             prefix_hash = _chain_hash(parent, token_ids[index * size:(index + 1) * size])
             hashes.append(prefix_hash)
             block = table[index]

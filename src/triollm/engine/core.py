@@ -26,10 +26,17 @@ from triollm.engine.output_processor import OutputProcessor, ParentRequest
 from triollm.engine.request import Request, RequestStatus
 from triollm.engine.scheduler import Scheduler, SchedulerStatistics
 from triollm.engine.stats import FinishedRequestStats, IterationStats
+from triollm.lora.request import LoRARequest
 from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from triollm.pooling_params import PoolingParams
 from triollm.sampling_params import RequestOutputKind, SamplingParams
-from triollm.step import ModelRunner, RunnerOutput, ScheduledRequest, SchedulerOutput
+from triollm.step import (
+    LoRAModelRunner,
+    ModelRunner,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 __all__ = ["EngineCore", "RequestFailure"]
 
@@ -81,6 +88,74 @@ class EngineCore:
         #: When the previous step's tokens were taken, if work was left to run straight
         #: after it (None when the engine went idle).
         self._previous_step_end: float | None = None
+        #: LoRA adapters added, by id, and the version of each one's weights (bumped by
+        #: a ``load_inplace`` reload, so its old prefix-cache blocks are not reused).
+        self._loras: dict[int, LoRARequest] = {}
+        self._lora_versions: dict[int, int] = {}
+
+    # -- LoRA adapters ---------------------------------------------------------------
+
+    def lora_to_load(self, lora_request: LoRARequest) -> bool:
+        """Check ``lora_request`` against this engine (``ValueError``); True if the
+        runner must load it before ``register_lora``."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if self.config.lora is None or not isinstance(self.runner, LoRAModelRunner):
+            raise ValueError("lora_request: LoRA is not enabled; start the engine with "
+                             "enable_lora=True (--enable-lora)")
+        known = self._loras.get(lora_request.lora_int_id)
+        if known is None or lora_request.load_inplace:
+            return True
+        if (known.lora_name, known.lora_path) != (lora_request.lora_name,
+                                                  lora_request.lora_path):
+            raise ValueError(
+                f"lora_request: lora_int_id {lora_request.lora_int_id} is adapter "
+                f"{known.lora_name!r} ({known.lora_path}); one id names one adapter (pass "
+                f"load_inplace=True to replace it)")
+        return False
+
+    def register_lora(self, lora_request: LoRARequest) -> None:
+        """Record an adapter the runner has loaded."""
+        lora_id = lora_request.lora_int_id
+        if lora_id in self._loras and lora_request.load_inplace:
+            self._lora_versions[lora_id] += 1
+        else:
+            self._lora_versions.setdefault(lora_id, 0)
+        self._loras[lora_id] = lora_request
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (``ValueError`` if it does not fit the model); False if it
+        was added already. In the async engine the load runs in the model thread."""
+        if not self.lora_to_load(lora_request):
+            return False
+        assert isinstance(self.runner, LoRAModelRunner)
+        self.runner.add_lora(lora_request)
+        self.register_lora(lora_request)
+        return True
+
+    def forget_lora(self, lora_id: int) -> bool:
+        """Drop an adapter from the engine's list (the caller also tells the runner);
+        requests in flight with it finish with it. False if it was not added."""
+        self._lora_versions.pop(lora_id, None)
+        return self._loras.pop(lora_id, None) is not None
+
+    def remove_lora(self, lora_id: int) -> bool:
+        removed = self.forget_lora(lora_id)
+        if isinstance(self.runner, LoRAModelRunner):
+            self.runner.remove_lora(lora_id)
+        return removed
+
+    def list_loras(self) -> set[int]:
+        return set(self._loras)
+
+    def has_lora(self, lora_request: LoRARequest) -> bool:
+        """Whether a request may name this adapter without adding it first (it was
+        added, under the same id, name and path)."""
+        self.lora_to_load(lora_request)
+        known = self._loras.get(lora_request.lora_int_id)
+        return known is not None and (known.lora_name, known.lora_path) == (
+            lora_request.lora_name, lora_request.lora_path)
 
     # -- requests ------------------------------------------------------------------
 
@@ -95,6 +170,7 @@ class EngineCore:
         is_latency_sensitive: bool = False,
         slo: float | None = None,
         ttft_slo: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; returns its engine id. Raises ``ValueError``
         (and changes nothing) for a bad prompt, bad parameters or an id in flight.
@@ -103,11 +179,16 @@ class EngineCore:
         the first token; ``is_latency_sensitive`` requests are served first under the
         ``slo`` scheduling policy, which also sizes steps to keep to their ``slo``.
         ``PoolingParams`` make a pooling request (a pooling model only): its whole
-        prompt runs in one step and its one output is the pooled result."""
+        prompt runs in one step and its one output is the pooled result.
+        ``lora_request`` runs it through a LoRA adapter, which ``add_lora`` loads first
+        (the front-ends do it)."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id: must be a string, got {request_id!r}")
         if request_id in self._engine_ids:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
+        if lora_request is not None and not self.has_lora(lora_request):
+            raise ValueError(f"lora_request: adapter {lora_request.lora_name!r} is not "
+                             f"loaded; add_lora() it first")
         if isinstance(params, PoolingParams):
             self._check_scheduling(priority, slo, ttft_slo)
             return self._add_pooling_request(request_id, prompt, params, arrival_time,
@@ -138,6 +219,8 @@ class EngineCore:
             params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
+        lora = None if lora_request is None else self._loras[lora_request.lora_int_id]
+        lora_version = 0 if lora is None else self._lora_versions[lora.lora_int_id]
         engine_id = self._new_engine_id(request_id)
         children = []
         for index in range(params.n):
@@ -146,7 +229,8 @@ class EngineCore:
             child = Request(child_id, processed.token_ids, child_params, arrival,
                             priority=priority, index=index,
                             is_latency_sensitive=is_latency_sensitive, slo=slo,
-                            ttft_slo=ttft_slo, cache_salt=processed.cache_salt)
+                            ttft_slo=ttft_slo, cache_salt=processed.cache_salt,
+                            lora_request=lora, lora_version=lora_version)
             child.detokenizer = self.output_processor.make_detokenizer(child_params,
                                                                        processed.token_ids)
             children.append(child)

@@ -12,6 +12,7 @@ from triollm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from triollm.engine.detokenizer import IncrementalDetokenizer
+    from triollm.lora.request import LoRARequest
 
 __all__ = ["FinishReason", "Request", "RequestStatus"]
 
@@ -56,10 +57,17 @@ class Request:
         slo: float | None = None,
         ttft_slo: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        lora_version: int = 0,
     ) -> None:
         self.request_id = request_id
         #: Prefix-cache blocks are shared only between requests with the same salt.
         self.cache_salt = cache_salt
+        #: The LoRA adapter it runs with (None: the base model), and that adapter's id
+        #: and weights version, which also key its prefix-cache blocks.
+        self.lora_request = lora_request
+        self.adapter_key: tuple[int, int] | None = (
+            None if lora_request is None else (lora_request.lora_int_id, lora_version))
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params

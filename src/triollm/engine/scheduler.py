@@ -216,14 +216,30 @@ class Scheduler:
             break
 
         # Like vLLM: admit nothing new in a step that had to preempt.
-        while (not preempted and self.waiting and budget.tokens_left > 0
+        adapters = self._running_adapters()
+        max_loras = self.config.max_loras
+        # Once a waiting request is held back because max_loras adapters are running,
+        # no later request with an adapter passes it: the running adapters drain and
+        # it gets a slot, instead of waiting for as long as theirs keep arriving.
+        # Requests for the base model still go ahead.
+        adapter_blocked = False
+        index = 0
+        while (not preempted and index < len(self.waiting) and budget.tokens_left > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting[index]
+            adapter = request.adapter_key
+            if adapter is not None and max_loras is not None and (
+                    adapter_blocked
+                    or (adapter[0] not in adapters and len(adapters) >= max_loras)):
+                adapter_blocked = True
+                index += 1
+                continue
             if request.num_computed_tokens == 0 and request.prompt_logprobs is None:
                 # Reuse the KV of the longest cached prefix (prompt logprobs need every
                 # position's logits, so those requests compute everything).
                 request.num_computed_tokens = self.block_manager.attach_cached_prefix(
-                    request.request_id, request.all_token_ids, salt=request.cache_salt)
+                    request.request_id, request.all_token_ids, salt=request.cache_salt,
+                    adapter=adapter)
             wanted = request.num_tokens - request.num_computed_tokens
             num_new = budget.grant(request, wanted)
             if num_new < wanted and (num_new == 0 or not self.config.enable_chunked_prefill):
@@ -233,7 +249,9 @@ class Scheduler:
                                                request.num_computed_tokens + num_new):
                 self._detach(request)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            if adapter is not None:
+                adapters.add(adapter[0])
             request.status = RequestStatus.RUNNING
             if self._ranked:
                 bisect.insort_right(self.running, request, key=self._rank)
@@ -249,6 +267,12 @@ class Scheduler:
             finished_request_ids=finished,
             preempted_request_ids=displaced + preempted,
         )
+
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapter ids of the running requests (at most ``max_loras``)."""
+        if self.config.max_loras is None:
+            return set()
+        return {r.adapter_key[0] for r in self.running if r.adapter_key is not None}
 
     def _step_time_limit(self) -> float | None:
         """Under ``slo``: the time a step may take so that the latency-sensitive requests
@@ -303,6 +327,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
     def _detach(self, request: Request) -> None:
@@ -330,7 +355,7 @@ class Scheduler:
                 request.num_computed_tokens += item.num_tokens
                 self.block_manager.cache_full_blocks(
                     request.request_id, request.all_token_ids, request.num_computed_tokens,
-                    salt=request.cache_salt)
+                    salt=request.cache_salt, adapter=request.adapter_key)
 
     def statistics(self) -> SchedulerStatistics:
         self._drop_finished()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,9 +30,13 @@ from triollm.model.attention import (
 from triollm.model.cpu_decode import CpuDecodeKernel, load_kernel
 from triollm.model.cpu_threads import ComputeThreads
 from triollm.model.loader import load_model
+from triollm.model.lora_manager import LoRAManager
 from triollm.model.packed_linear import pack_linear_layers
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+
+if TYPE_CHECKING:
+    from triollm.lora.request import LoRARequest
 
 __all__ = ["TorchModelRunner", "decode_spans"]
 
@@ -106,6 +111,8 @@ class TorchModelRunner:
             self.compute_threads = ComputeThreads(model_config.cpu_threads)
             packed = pack_linear_layers(self.model)
             logger.info("%d linear layers run on oneDNN-packed weights", packed)
+        self.lora = (LoRAManager(self.model, config.lora, self.device)
+                     if config.lora is not None else None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_config.seed)
         self._requests: dict[str, _RequestState] = {}
@@ -235,22 +242,63 @@ class TorchModelRunner:
                     self._requests[item.request_id] = self._new_state(item)
                 except Exception as error:  # this request's own state: it fails alone
                     failed[item.request_id] = f"sampling state: {error!r}"
-        if failed:
+        if self.lora is not None:
+            items = self._begin_lora_step(items, failed)
+        elif failed:
             items = [item for item in items if item.request_id not in failed]
-            if not items:
-                return RunnerOutput(failed=failed)
+        if not items:
+            return RunnerOutput(failed=failed)
 
         metadata, input_ids, positions, keep, keep_owner = self._prepare(items)
-        logits = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=keep,
-            triollm_metadata=metadata,
-        ).logits[0]
+        try:
+            logits = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=keep,
+                triollm_metadata=metadata,
+            ).logits[0]
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         output = self._sample(items, logits, keep_owner)
         output.failed.update(failed)
         return output
+
+    def _begin_lora_step(self, items: list[ScheduledRequest], failed: dict[str, str]
+                         ) -> list[ScheduledRequest]:
+        """Put the step's adapters in their slots; a request whose adapter cannot be
+        loaded fails alone (in ``failed``). Returns the items that run."""
+        assert self.lora is not None
+        while True:
+            items = [item for item in items if item.request_id not in failed]
+            broken = self.lora.begin_step([item.lora_request for item in items],
+                                          [item.num_tokens for item in items])
+            if not broken:
+                return items
+            for item in items:
+                if item.lora_request is not None and item.lora_request.lora_int_id in broken:
+                    failed[item.request_id] = (f"LoRA adapter {item.lora_request.lora_name!r}: "
+                                               f"{broken[item.lora_request.lora_int_id]}")
+
+    # -- LoRA adapters -------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (``ValueError`` naming what does not fit this model);
+        False if it was loaded already."""
+        return self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora_manager().loaded_ids()
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA is not enabled; start the engine with "
+                             "enable_lora=True (--enable-lora)")
+        return self.lora
 
     def _new_state(self, item: ScheduledRequest) -> _RequestState:
         generator = None

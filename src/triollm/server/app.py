@@ -7,7 +7,8 @@
         └── FastAPI           OpenAI-shaped errors                       (errors.py)
             └── routes/       completions, chat, responses, invocations (SageMaker),
                               tokenize, models, health, /generate, pooling
-                              (embeddings, /pooling, /classify, /score, /rerank)
+                              (embeddings, /pooling, /classify, /score, /rerank),
+                              LoRA adapters (/v1/load_lora_adapter, when allowed)
 
 Each route reads the shared ``ServerState`` (state.py) from the app; requests reach
 the engine through generation.py, streams go out through streaming.py, and fields
@@ -16,6 +17,7 @@ are formatted by formatting.py.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, cast
 
 from fastapi import FastAPI
@@ -31,6 +33,7 @@ from triollm.server.routes import (
     generate,
     health,
     invocations,
+    lora,
     models,
     pooling,
     responses,
@@ -39,6 +42,8 @@ from triollm.server.routes import (
 from triollm.server.state import ServerState
 
 __all__ = ["build_app"]
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(state: ServerState, *, api_docs: bool = True) -> ASGIApp:
@@ -54,6 +59,12 @@ def build_app(state: ServerState, *, api_docs: bool = True) -> ASGIApp:
     for routes in (health, models, tokenize, completions, chat, responses, invocations,
                    generate, pooling):
         app.include_router(routes.router)
+    if lora.runtime_updates_allowed():
+        logger.warning("LoRA adapters may be loaded and unloaded at run time "
+                       "(%s): /v1/load_lora_adapter reads any directory it is given; use "
+                       "this only where every client is trusted.",
+                       lora.RUNTIME_UPDATES_VARIABLE)
+        app.include_router(lora.router)
     # CORS is outermost: it answers preflight requests itself (they carry no API key)
     # and adds its headers to every response, the 401s and 413s included.
     cors = state.settings.cors

@@ -145,7 +145,8 @@ async def submit(state: ServerState, prompts: Sequence[PromptType], params: Samp
     streams = [state.engine.generate(
         prompt, params, base_id if len(ready) == 1 else f"{base_id}-{index}",
         priority=body.priority, is_latency_sensitive=body.latency_sensitive, slo=body.slo,
-        ttft_slo=body.ttft_slo) for index, prompt in enumerate(ready)]
+        ttft_slo=body.ttft_slo, lora_request=state.lora_for(body.model))
+        for index, prompt in enumerate(ready)]
     opened.extend(streams)
     if len(streams) == 1:
         return [Submitted(0, streams[0], await first_output(streams[0]))]

@@ -435,6 +435,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "triollm"
     root: str | None = None
+    #: For a LoRA adapter: the base model it runs over.
+    parent: str | None = None
     max_model_len: int | None = None
 
 

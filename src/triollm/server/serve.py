@@ -43,8 +43,10 @@ from hypercorn.trio import serve as hypercorn_serve
 from triollm.engine.async_engine import AsyncLLMEngine
 from triollm.engine.chat import ContentFormat
 from triollm.server.app import build_app
+from triollm.server.errors import OpenAIError
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.server.metrics import PrometheusStatLogger
+from triollm.server.routes.lora import LoRAModulePath, load_adapter
 from triollm.server.state import CorsSettings, ServerSettings, ServerState
 
 __all__ = ["CorsSettings", "ServerHandle", "ServerOptions", "run_server"]
@@ -90,6 +92,8 @@ class ServerOptions:
     #: The server may end its process: on a second stop signal, or when connections are
     #: still stuck after the shutdown (``triollm serve``; never for an embedded server).
     owns_process: bool = False
+    #: LoRA adapters served under their own names from the start (``--lora-modules``).
+    lora_modules: tuple[LoRAModulePath, ...] = ()
 
 
 @dataclass
@@ -145,6 +149,13 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
     engine_scope = trio.CancelScope()
     async with trio.open_nursery() as root:
         await root.start(_run_engine, engine, state, options, engine_scope)
+        for module in options.lora_modules:  # a bad one stops the start-up, naming it
+            try:
+                await load_adapter(state, module.name, module.path,
+                                   base_model_name=module.base_model_name)
+            except OpenAIError as error:
+                raise ValueError(f"--lora-modules {module.name}={module.path}: "
+                                 f"{error.message}") from None
         urls = await root.start(lambda task_status: hypercorn_serve(
             app, config, shutdown_trigger=stop_serving.wait,  # type: ignore[arg-type]
             task_status=task_status))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -11,6 +12,7 @@ import anyio
 from fastapi import Request
 
 from triollm.engine.chat import ContentFormat, render_chat
+from triollm.lora.request import LoRARequest
 from triollm.server.errors import OpenAIError, bad_request
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -81,6 +83,10 @@ class ServerState:
     idle: anyio.Event = field(default_factory=anyio.Event)
     #: Warnings given once per server (a field that has no effect under this policy).
     warned: set[str] = field(default_factory=set)
+    #: LoRA adapters served under their own model names (``--lora-modules`` and
+    #: ``/v1/load_lora_adapter``), and the source of their engine ids.
+    loras: dict[str, LoRARequest] = field(default_factory=dict)
+    lora_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     def request_started(self) -> None:
         if self.open_requests == 0:
@@ -100,12 +106,19 @@ class ServerState:
     # -- request checks shared by the routes --------------------------------------------
 
     def check_model(self, name: str | None) -> str:
-        """The served model's name for a request that names it (or none): 404 otherwise."""
+        """The model name a request is answered under: the served model's (for no name
+        or one of its names) or a LoRA adapter's; 404 for any other name."""
         names = self.settings.served_model_names
         if name is None or name in names:
             return names[0]
+        if name in self.loras:
+            return name
         raise OpenAIError(404, f"The model `{name}` does not exist.", type="NotFoundError",
                           param="model")
+
+    def lora_for(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        return None if name is None else self.loras.get(name)
 
     def require_generation(self) -> None:
         """400 unless the engine runs a generation model."""
