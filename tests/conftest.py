@@ -97,6 +97,38 @@ class PoisonLlamaForCausalLM(LlamaForCausalLM):
 
 
 @pytest.fixture(scope="session")
+def lora_models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any,
+                tiny_models: dict[str, Path]) -> dict[str, Path]:
+    """Adapters of different ranks, scalings and target modules for the tiny Llama, and
+    one for GPT-2, whose attention is one fused Conv1D (c_attn)."""
+    from triollm.testing import build_lora_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+    llama = tiny_models["llama"]
+    return {
+        "llama": llama,
+        "qv8": build_lora_adapter(llama, root / "qv8", rank=8, alpha=16,
+                                  target_modules=("q_proj", "v_proj"), seed=1),
+        "all4": build_lora_adapter(llama, root / "all4", rank=4, alpha=8,
+                                   target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                   "gate_proj", "up_proj", "down_proj"),
+                                   seed=2, use_rslora=True),
+        "mlp16": build_lora_adapter(llama, root / "mlp16", rank=16, alpha=8,
+                                    target_modules=("gate_proj", "up_proj", "down_proj", "o_proj"),
+                                    seed=3, rank_pattern={"down_proj": 2},
+                                    alpha_pattern={"o_proj": 32}),
+        "kv2": build_lora_adapter(llama, root / "kv2", rank=2, alpha=4,
+                                  target_modules=("k_proj", "v_proj"), seed=4),
+        "rank32": build_lora_adapter(llama, root / "rank32", rank=32, seed=5),
+        "dora": build_lora_adapter(llama, root / "dora", rank=4, seed=6, use_dora=True),
+        "gpt2": tiny_models["gpt2"],
+        "gpt2_attn": build_lora_adapter(tiny_models["gpt2"], root / "gpt2_attn", rank=8,
+                                        target_modules=("c_attn", "c_fc"), seed=7,
+                                        fan_in_fan_out=True),
+    }
+
+
+@pytest.fixture(scope="session")
 def poison_model(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
     """A tiny Llama loaded with trust_remote_code whose forward raises on ``POISON``."""
     from triollm.testing import build_tiny_model

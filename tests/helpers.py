@@ -1,8 +1,12 @@
-"""Helpers shared by the async tests."""
+"""Helpers shared by the tests."""
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -13,3 +17,35 @@ async def run_ticker(lateness: list[float], period: float = 0.001) -> None:
         start = time.perf_counter()
         await anyio.sleep(period)
         lateness.append(time.perf_counter() - start - period)
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompts: Sequence[list[int]],
+                max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of transformers (+ PEFT with ``adapter`` alone; None: the base
+    model) in float32, a full forward per token."""
+    return _peft_greedy(str(base), None if adapter is None else str(adapter),
+                        tuple(tuple(p) for p in prompts), max_tokens)
+
+
+@functools.cache
+def _peft_greedy(base: str, adapter: str | None, prompts: tuple[tuple[int, ...], ...],
+                 max_tokens: int) -> list[list[int]]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            new: list[int] = []
+            for _ in range(max_tokens):
+                token = int(model(ids).logits[0, -1].argmax())
+                new.append(token)
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            results.append(new)
+    return results

@@ -5,7 +5,6 @@ in turn; adapters that do not fit refused naming why."""
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,73 +12,17 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
 
+from helpers import peft_greedy
 from triollm import LLM, AsyncEngineArgs, AsyncLLMEngine, LoRARequest, SamplingParams
 from triollm.errors import LoRAAdapterError, LoRAAdapterNotFoundError
-from triollm.testing import build_lora_adapter
 
-MAX_TOKENS = 8
 PROMPTS = ["Hello there, how", "The quick brown fox", "Once upon a time", "In the start"]
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@functools.cache
-def _reference(base: str, adapter: str | None, prompts: tuple[tuple[int, ...], ...]
-               ) -> list[list[int]]:
-    """Greedy tokens of transformers + PEFT with ``adapter`` alone (None: the base)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            new: list[int] = []
-            for _ in range(MAX_TOKENS):
-                token = int(model(ids).logits[0, -1].argmax())
-                new.append(token)
-                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-            results.append(new)
-    return results
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def reference(base: Path, adapter: Path | None, prompts: Sequence[list[int]]) -> list[list[int]]:
-    return _reference(str(base), None if adapter is None else str(adapter),
-                      tuple(tuple(p) for p in prompts))
-
-
-@pytest.fixture(scope="module")
-def lora_models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any,
-                tiny_models: dict[str, Path]) -> dict[str, Path]:
-    """Adapters of different ranks, scalings and target modules for the tiny Llama, and
-    one for GPT-2, whose attention is one fused Conv1D (c_attn)."""
-    root = tmp_path_factory.mktemp("lora")
-    llama = tiny_models["llama"]
-    return {
-        "llama": llama,
-        "qv8": build_lora_adapter(llama, root / "qv8", rank=8, alpha=16,
-                                  target_modules=("q_proj", "v_proj"), seed=1),
-        "all4": build_lora_adapter(llama, root / "all4", rank=4, alpha=8,
-                                   target_modules=ALL_LINEARS, seed=2, use_rslora=True),
-        "mlp16": build_lora_adapter(llama, root / "mlp16", rank=16, alpha=8,
-                                    target_modules=("gate_proj", "up_proj", "down_proj", "o_proj"),
-                                    seed=3, rank_pattern={"down_proj": 2},
-                                    alpha_pattern={"o_proj": 32}),
-        "kv2": build_lora_adapter(llama, root / "kv2", rank=2, alpha=4,
-                                  target_modules=("k_proj", "v_proj"), seed=4),
-        "rank32": build_lora_adapter(llama, root / "rank32", rank=32, seed=5),
-        "dora": build_lora_adapter(llama, root / "dora", rank=4, seed=6, use_dora=True),
-        "gpt2": tiny_models["gpt2"],
-        "gpt2_attn": build_lora_adapter(tiny_models["gpt2"], root / "gpt2_attn", rank=8,
-                                        target_modules=("c_attn", "c_fc"), seed=7,
-                                        fan_in_fan_out=True),
-    }
+    return peft_greedy(base, adapter, prompts, 8)
 
 
 def token_prompts(tokenizer: Any) -> list[list[int]]:
