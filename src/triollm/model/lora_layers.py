@@ -10,10 +10,11 @@ zero elsewhere. Then, for the whole flattened batch at once,
 
     y = base(x) + ((x A^T) * mask) B^T
 
-two matrix products of width ``slots_used * rank`` whatever the mix (the gathered
-segment products of SGMV/BGMV, written as masked dense ones, which suit CPUs and
-small adapter counts). Only the slots up to the highest one a step uses count, and a
-step without adapter tokens skips all of it.
+two matrix products of width ``slots * rank`` whatever the mix (the gathered segment
+products of SGMV/BGMV, written as masked dense ones, which suit CPUs and small adapter
+counts). Layers that read the same input (q, k, v; gate, up) share one pair of products
+(``LoRAGroup``), found by watching one forward at start-up. A step without adapter
+tokens skips all of it.
 """
 
 from __future__ import annotations
@@ -26,25 +27,27 @@ from transformers.pytorch_utils import Conv1D
 
 from triollm.model.packed_linear import PackedLinear
 
-__all__ = ["LoRALinear", "LoRAStep", "LoRAStepBatch", "adaptable_layers"]
+__all__ = ["LoRAGroup", "LoRALinear", "LoRAStep", "LoRAStepBatch", "adaptable_layers",
+           "group_shared_inputs"]
 
 
 @dataclass(frozen=True)
 class LoRAStepBatch:
-    """Which columns of the slots each token of this step uses."""
+    """Which slot columns each token of this step uses."""
 
-    #: ``(highest slot used + 1) * max_lora_rank``
-    columns: int
-    #: ``[tokens, columns]`` in the LoRA dtype: one on the token's own slot's columns.
+    #: ``[tokens, max_loras * max_lora_rank]`` in the LoRA dtype: one on the columns of
+    #: the token's own slot, zero elsewhere (all zero for a base-model token).
     mask: torch.Tensor
 
 
 class LoRAStep:
     """The one object every ``LoRALinear`` of a model reads its step's batch from; the
-    runner sets ``batch`` before a forward and clears it after (None: no adapter)."""
+    runner sets ``batch`` before a forward and clears it after (None: no adapter).
+    While ``recording`` is a list, each layer appends ``(input, layer)`` when called."""
 
     def __init__(self) -> None:
         self.batch: LoRAStepBatch | None = None
+        self.recording: list[tuple[torch.Tensor, LoRALinear]] | None = None
 
 
 class LoRALinear(nn.Module):
@@ -56,6 +59,8 @@ class LoRALinear(nn.Module):
                  step: LoRAStep) -> None:
         super().__init__()
         self.base_layer = base_layer
+        # called directly: a second nn.Module.__call__ per layer costs more than it does
+        self._base_forward = base_layer.forward
         self.in_features = in_features
         self.out_features = out_features
         self.max_rank = max_rank
@@ -65,6 +70,10 @@ class LoRALinear(nn.Module):
                                   device=device)
         self.lora_b_t = torch.zeros(max_loras * max_rank, out_features, dtype=dtype,
                                     device=device)
+        #: The layers that share this one's input, if any, and where its columns start
+        #: in their joint output.
+        self.group: LoRAGroup | None = None
+        self.group_offset = 0
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put an adapter's ``A`` ``[r, in]`` and scaled ``B`` ``[out, r]`` in ``slot``
@@ -79,27 +88,109 @@ class LoRALinear(nn.Module):
             self.lora_b_t[start:start + rank].copy_(b.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
-        batch = self.step.batch
+        out = self._base_forward(x)
+        step = self.step
+        if step.recording is not None:
+            step.recording.append((x, self))
+        batch = step.batch
         if batch is None:
             return out
-        columns = batch.columns
+        flat_out = out.view(-1, self.out_features)
+        group = self.group
+        if group is not None:
+            delta = group.delta(x, batch.mask)
+            delta = delta[:, self.group_offset:self.group_offset + self.out_features]
+            flat_out.add_(delta if delta.dtype == flat_out.dtype else delta.to(flat_out.dtype))
+            return out
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != self.lora_a.dtype:
             flat = flat.to(self.lora_a.dtype)
-        hidden = nn.functional.linear(flat, self.lora_a[:columns])
+        hidden = nn.functional.linear(flat, self.lora_a)
         hidden.mul_(batch.mask)
-        flat_out = out.view(-1, self.out_features)
         if flat_out.dtype == hidden.dtype:
-            flat_out.addmm_(hidden, self.lora_b_t[:columns])
+            flat_out.addmm_(hidden, self.lora_b_t)
         else:
-            flat_out.add_((hidden @ self.lora_b_t[:columns]).to(flat_out.dtype))
+            flat_out.add_((hidden @ self.lora_b_t).to(flat_out.dtype))
         return out
 
     def extra_repr(self) -> str:
         slots = self.lora_a.shape[0] // self.max_rank
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"slots={slots}, max_rank={self.max_rank}")
+
+
+class LoRAGroup:
+    """Layers that read the same input tensor (a decoder's q, k and v projections; its
+    gate and up projections): their A's stacked and their B's block-diagonal, so that
+    one pair of products serves all of them, computed when the first is called and
+    taken from by the others. On CPU a small product costs mostly its fixed overhead,
+    so fewer, wider products are what makes mixed-adapter steps cheap.
+
+    The members' ``lora_a`` / ``lora_b_t`` become views into the group's tensors, so
+    loading a slot writes through to them."""
+
+    def __init__(self, members: list[LoRALinear]) -> None:
+        columns = members[0].lora_a.shape[0]
+        self.columns = columns
+        self.in_features = members[0].in_features
+        outs = [member.out_features for member in members]
+        first = members[0].lora_a
+        self.a = torch.cat([member.lora_a for member in members])
+        self.b = torch.zeros(len(members) * columns, sum(outs), dtype=first.dtype,
+                             device=first.device)
+        offset = 0
+        for index, member in enumerate(members):
+            rows = slice(index * columns, (index + 1) * columns)
+            self.b[rows, offset:offset + member.out_features].copy_(member.lora_b_t)
+            member.lora_a = self.a[rows]
+            member.lora_b_t = self.b[rows, offset:offset + member.out_features]
+            member.group = self
+            member.group_offset = offset
+            offset += member.out_features
+        self.members = members
+        self._input: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        self._delta: torch.Tensor | None = None
+
+    def delta(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[tokens, sum of the members' outputs]``: every member's LoRA delta for
+        input ``x`` (computed once per input)."""
+        # The group holds its input, so no other tensor can be this object; the models
+        # do not modify a projection's input in place between its projections.
+        if x is self._input and mask is self._mask and self._delta is not None:
+            return self._delta
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != self.a.dtype:
+            flat = flat.to(self.a.dtype)
+        hidden = nn.functional.linear(flat, self.a)
+        hidden.view(flat.shape[0], len(self.members), self.columns).mul_(mask[:, None, :])
+        self._delta = hidden @ self.b
+        self._input, self._mask = x, mask
+        return self._delta
+
+    def clear(self) -> None:
+        """Drop the step's input and delta."""
+        self._input = self._mask = self._delta = None
+
+
+def group_shared_inputs(recording: list[tuple[torch.Tensor, LoRALinear]]) -> list[LoRAGroup]:
+    """Group the layers a recorded forward called one after another on the same input
+    tensor (of the same size)."""
+    groups: list[LoRAGroup] = []
+    run: list[LoRALinear] = []
+    previous: torch.Tensor | None = None
+    for x, layer in recording:
+        if (run and x is previous and layer.in_features == run[0].in_features
+                and layer.group is None and layer not in run):
+            run.append(layer)
+            continue
+        if len(run) > 1:
+            groups.append(LoRAGroup(run))
+        run = [layer] if layer.group is None else []
+        previous = x
+    if len(run) > 1:
+        groups.append(LoRAGroup(run))
+    return groups
 
 
 def _shape(module: nn.Module) -> tuple[int, int] | None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -21,11 +23,20 @@ from triollm.config import LoRAConfig
 from triollm.errors import LoRAAdapterError
 from triollm.lora.request import LoRARequest
 from triollm.model.lora_adapter import LayerShape, LoRAAdapter, load_adapter
-from triollm.model.lora_layers import LoRALinear, LoRAStep, LoRAStepBatch, adaptable_layers
+from triollm.model.lora_layers import (
+    LoRAGroup,
+    LoRALinear,
+    LoRAStep,
+    LoRAStepBatch,
+    adaptable_layers,
+    group_shared_inputs,
+)
 
 __all__ = ["LoRAManager"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class LoRAManager:
@@ -36,6 +47,7 @@ class LoRAManager:
         self.device = device
         self.step = LoRAStep()
         self.layers: dict[str, LoRALinear] = {}
+        self._names: dict[int, str] = {}
         for name, (module, in_features, out_features) in adaptable_layers(
                 model, config.target_modules).items():
             parent_name, _, child = name.rpartition(".")
@@ -45,10 +57,12 @@ class LoRAManager:
                                  device=device, step=self.step)
             setattr(parent, child, wrapped)
             self.layers[name] = wrapped
+            self._names[id(wrapped)] = name
         if not self.layers:
             wanted = config.target_modules or "any"
             raise ValueError(f"lora_target_modules: the model has no linear layer named "
                              f"{wanted} to adapt")
+        self.groups: list[LoRAGroup] = []
         self.shapes = {name: LayerShape(layer.in_features, layer.out_features)
                        for name, layer in self.layers.items()}
         #: Loaded adapters by id, least recently used first.
@@ -130,14 +144,30 @@ class LoRAManager:
              for request in adapters], dtype=torch.long)
         token_slots = token_slots.repeat_interleave(torch.tensor(num_tokens))
         rank = self.config.max_lora_rank
-        columns = (max(slot_of.values()) + 1) * rank
-        column_slots = torch.arange(columns) // rank
+        column_slots = torch.arange(self.config.max_loras * rank) // rank
         mask = (token_slots[:, None] == column_slots[None, :]).to(self.config.lora_dtype)
-        self.step.batch = LoRAStepBatch(columns, mask.to(self.device))
+        self.step.batch = LoRAStepBatch(mask.to(self.device))
         return {}
 
     def end_step(self) -> None:
         self.step.batch = None
+        for group in self.groups:
+            group.clear()
+
+    def calibrate(self, forward: Callable[[], T]) -> T:
+        """Run ``forward`` (a forward of the model) once, watching which layers read
+        the same input, and group them; returns what ``forward`` returns."""
+        self.step.recording = []
+        try:
+            result = forward()
+            self.groups.extend(group_shared_inputs(self.step.recording))
+        finally:
+            self.step.recording = None
+        logger.info("LoRA: %d groups of layers share their input (%s)", len(self.groups),
+                    ", ".join(sorted({"+".join(self._names[id(m)].rsplit(".", 1)[-1]
+                                               for m in g.members)
+                                      for g in self.groups})) or "none")
+        return result
 
     def _make_resident(self, lora_id: int, needed: set[int]) -> int:
         slot = self._resident.get(lora_id)
@@ -160,3 +190,4 @@ class LoRAManager:
         for name, layer in self.layers.items():
             pair = adapter.weights.get(name)
             layer.set_slot(slot, *(pair if pair is not None else (None, None)))
+

@@ -116,7 +116,8 @@ class TorchModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_config.seed)
         self._requests: dict[str, _RequestState] = {}
-        specs = self._profile()
+        # the profile forward also shows which layers read the same input (LoRA groups)
+        specs = self.lora.calibrate(self._profile) if self.lora is not None else self._profile()
         self.num_kv_blocks = self._num_blocks(specs)
         self.kv_cache = PagedKVCache(specs, self.num_kv_blocks, self.block_size,
                                      self.cache_dtype, self.device)
