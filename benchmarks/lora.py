@@ -9,6 +9,7 @@ with ``k`` adapters, request ``i`` runs adapter ``i % k`` and ``max_loras`` is `
 each step mixes all of them. Each configuration runs in a process of its own: load,
 one warm-up request per adapter, then the whole batch through ``LLM.generate``, timed.
 
+The base model runs first and last; the ratios are to the mean of those two runs.
 Reported: output tokens/s, the ratio to the base model, and how many cores the rest of
 the machine kept busy meanwhile (benchmarks/vs_vllm.py's ``LoadSampler``; over a tenth
 of a core marks the figure contaminated).
@@ -125,13 +126,17 @@ def main() -> None:
         configs = [("base model, LoRA off", [], False), ("base model, --enable-lora", [], True)]
         configs += [(f"{k} adapter{'s' if k > 1 else ''}", adapters[:k], True)
                     for k in args.adapters]
+        # the base again at the end: the first and last runs bracket any drift of the
+        # machine's speed (about 10% from run to run here)
+        configs.append(("base model, LoRA off (again)", [], False))
         results = {}
         for label, paths, enable in configs:
             results[label] = run(label, model, str(workload_file), paths, enable,
                                  args.max_num_seqs, args.rank)
             print(f"  {label}: {results[label]['tok_s']:.1f} tok/s", flush=True)
 
-    base = results["base model, LoRA off"]["tok_s"]
+    base = (results["base model, LoRA off"]["tok_s"]
+            + results["base model, LoRA off (again)"]["tok_s"]) / 2
     print(f"\n{args.num_requests} requests, 64-192 prompt / 64-160 output tokens, "
           f"max_num_seqs {args.max_num_seqs}, rank {args.rank}, all 7 projections, bf16\n")
     print("| configuration | output tok/s | vs base | cost |")
