@@ -118,6 +118,29 @@ def test_a_fused_projection_takes_its_adapter(lora_models: dict[str, Path],
     assert got[2:] == reference(lora_models["gpt2"], None, prompts)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_families_take_adapters_on_every_projection(
+        family: str, tiny_models: dict[str, Path], tokenizer: Any, tmp_path: Path) -> None:
+    """Qwen2 (biased q/k/v) and Mistral (sliding window): an adapter on all seven
+    projections beside the base model, as PEFT computes it."""
+    from triollm.testing import build_lora_adapter
+
+    base = tiny_models[family]
+    adapter = build_lora_adapter(base, tmp_path / "adapter", rank=8, seed=11,
+                                 target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                 "gate_proj", "up_proj", "down_proj"))
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_model_len=256,
+              num_gpu_blocks_override=128)
+    prompts = token_prompts(tokenizer)[:2]
+    request = LoRARequest("a", 1, str(adapter))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], GREEDY,
+                           use_tqdm=False, lora_request=[request, request, None, None])
+    got = [list(o.outputs[0].token_ids) for o in outputs]
+    assert got[:2] == reference(base, adapter, prompts)
+    assert got[2:] == reference(base, None, prompts)
+    assert got[:2] != got[2:]
+
+
 def test_prefix_cache_is_never_shared_between_adapters(
         lora_llm: LLM, lora_models: dict[str, Path], tokenizer: Any) -> None:
     prompt = tokenizer(" ".join(PROMPTS) * 3).input_ids[:100]
