@@ -24,13 +24,12 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from vs_vllm import ANCHOR, CONTAMINATED_CORES, LoadSampler, _patch_vllm_version
+from vs_vllm import ANCHOR, CONTAMINATED_CORES, _patch_vllm_version, run_child
 
 ENGINES = ("triollm", "sentence-transformers", "vllm")
 #: sentence-transformers' default batch size; triollm and vLLM batch by token budget.
@@ -99,16 +98,8 @@ def child(engine: str, model: str, texts_file: str, dtype: str) -> None:
 
 
 def run(engine: str, python: str, model: str, texts_file: str, dtype: str) -> dict[str, float]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    sampler = LoadSampler(set())
-    done = subprocess.run([python, __file__, "--child", engine, model, texts_file, dtype],
-                          env=env, capture_output=True, text=True)
-    others = sampler.others_cores()
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{engine} ({dtype}) failed:\n{done.stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result, others = run_child([python, __file__, "--child", engine, model, texts_file, dtype],
+                               f"{engine} ({dtype})")
     return {"texts_s": result["texts"] / result["elapsed"],
             "tokens_s": result["tokens"] / result["elapsed"], "others_cores": others}
 

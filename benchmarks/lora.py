@@ -25,13 +25,12 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from vs_vllm import CONTAMINATED_CORES, LoadSampler
+from vs_vllm import CONTAMINATED_CORES, run_child
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -78,18 +77,9 @@ def child(model: str, workload_file: str, adapters_json: str, enable_lora: bool,
 
 def run(label: str, model: str, workload_file: str, adapters: list[str], enable_lora: bool,
         max_num_seqs: int, rank: int) -> dict[str, float]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    sampler = LoadSampler(set())
-    done = subprocess.run(
+    result, others = run_child(
         [sys.executable, __file__, "--child", model, workload_file, json.dumps(adapters),
-         str(int(enable_lora)), str(max_num_seqs), str(rank)],
-        env=env, capture_output=True, text=True)
-    others = sampler.others_cores()
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{label} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+         str(int(enable_lora)), str(max_num_seqs), str(rank)], label)
     return {"tok_s": result["tokens"] / result["elapsed"], "others_cores": others}
 
 

@@ -43,6 +43,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ANCHOR = HERE.parent.parent / "shared" / "anchors" / "vllm_cpu"
@@ -117,6 +118,21 @@ class LoadSampler:
         self._thread.join()
         self._sample()
         return self._others / max(1e-9, time.monotonic() - self._start)
+
+
+def run_child(command: list[str], what: str, neighbours: set[int] | None = None
+              ) -> tuple[dict[str, Any], float]:
+    """Run a benchmark's measuring process offline: the JSON of its last ``RESULT`` line,
+    and how many cores the rest of the machine (but ``neighbours``) used meanwhile."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    sampler = LoadSampler(neighbours or set())
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    others = sampler.others_cores()
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):]), others
 
 
 @contextlib.contextmanager
@@ -215,17 +231,9 @@ def run_offline(engine: str, python: str, model_dir: str, workload: Workload, la
         json.dump(workload, file)
     command = [python, __file__, "--child-offline", engine, model_dir, file.name,
                str(max_num_seqs)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
     with busy_neighbour(neighbour) as neighbours:
-        sampler = LoadSampler(neighbours)
-        completed = subprocess.run(command, env=env, capture_output=True, text=True)
-        others = sampler.others_cores()
+        result, others = run_child(command, f"{engine} offline run", neighbours)
     os.unlink(file.name)
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-    if completed.returncode != 0 or not lines:
-        raise RuntimeError(f"{engine} offline run failed:\n{completed.stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
     return Measurement(label, engine, {"output_tok_s": result["output_tokens"]
                                        / result["elapsed"]}, others)
 
