@@ -13,13 +13,11 @@ zero elsewhere. Then, for the whole flattened batch at once,
 two matrix products of width ``slots * rank`` whatever the mix (the gathered segment
 products of SGMV/BGMV, written as masked dense ones, which suit CPUs and small adapter
 counts). Layers that read the same input (q, k, v; gate, up) share one pair of products
-(``LoRAGroup``), found by watching one forward at start-up. A step without adapter
-tokens skips all of it.
+(``LoRAGroup``; a layer alone is a group of one), found by watching one forward at
+start-up. A step without adapter tokens skips all of it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,32 +25,25 @@ from transformers.pytorch_utils import Conv1D
 
 from triollm.model.packed_linear import PackedLinear
 
-__all__ = ["LoRAGroup", "LoRALinear", "LoRAStep", "LoRAStepBatch", "adaptable_layers",
-           "group_shared_inputs"]
-
-
-@dataclass(frozen=True)
-class LoRAStepBatch:
-    """Which slot columns each token of this step uses."""
-
-    #: ``[tokens, max_loras * max_lora_rank]`` in the LoRA dtype: one on the columns of
-    #: the token's own slot, zero elsewhere (all zero for a base-model token).
-    mask: torch.Tensor
+__all__ = ["LoRAGroup", "LoRALinear", "LoRAStep", "adaptable_layers", "group_shared_inputs"]
 
 
 class LoRAStep:
-    """The one object every ``LoRALinear`` of a model reads its step's batch from; the
-    runner sets ``batch`` before a forward and clears it after (None: no adapter).
-    While ``recording`` is a list, each layer appends ``(input, layer)`` when called."""
+    """The one object every ``LoRALinear`` of a model reads its step from. The runner
+    sets ``mask`` before a forward and clears it after (None: no adapter token):
+    ``[tokens, max_loras * max_lora_rank]`` in the LoRA dtype, one on the columns of each
+    token's own slot, zero elsewhere (all zero for a base-model token). While
+    ``recording`` is a list, each layer appends ``(input, layer)`` when called."""
 
     def __init__(self) -> None:
-        self.batch: LoRAStepBatch | None = None
+        self.mask: torch.Tensor | None = None
         self.recording: list[tuple[torch.Tensor, LoRALinear]] | None = None
 
 
 class LoRALinear(nn.Module):
     """A linear layer (plain, oneDNN-packed or GPT-2's ``Conv1D``) plus the deltas of
-    the adapters resident in its slots."""
+    the adapters resident in its slots, which its ``LoRAGroup`` computes (a group of
+    its own until ``group_shared_inputs`` joins it to the layers sharing its input)."""
 
     def __init__(self, base_layer: nn.Module, in_features: int, out_features: int, *,
                  max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
@@ -65,15 +56,15 @@ class LoRALinear(nn.Module):
         self.out_features = out_features
         self.max_rank = max_rank
         self.step = step
-        # plain attributes, not buffers: they are not part of the model's state dict
+        # Plain attributes, not buffers (they are not part of the model's state dict);
+        # views into the group's tensors once the group exists.
         self.lora_a = torch.zeros(max_loras * max_rank, in_features, dtype=dtype,
                                   device=device)
         self.lora_b_t = torch.zeros(max_loras * max_rank, out_features, dtype=dtype,
                                     device=device)
-        #: The layers that share this one's input, if any, and where its columns start
-        #: in their joint output.
-        self.group: LoRAGroup | None = None
+        #: Where this layer's columns start in its group's joint output.
         self.group_offset = 0
+        self.group = LoRAGroup([self])
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put an adapter's ``A`` ``[r, in]`` and scaled ``B`` ``[out, r]`` in ``slot``
@@ -92,25 +83,12 @@ class LoRALinear(nn.Module):
         step = self.step
         if step.recording is not None:
             step.recording.append((x, self))
-        batch = step.batch
-        if batch is None:
+        if step.mask is None:
             return out
+        delta = self.group.delta(x, step.mask)
+        delta = delta[:, self.group_offset:self.group_offset + self.out_features]
         flat_out = out.view(-1, self.out_features)
-        group = self.group
-        if group is not None:
-            delta = group.delta(x, batch.mask)
-            delta = delta[:, self.group_offset:self.group_offset + self.out_features]
-            flat_out.add_(delta if delta.dtype == flat_out.dtype else delta.to(flat_out.dtype))
-            return out
-        flat = x.reshape(-1, self.in_features)
-        if flat.dtype != self.lora_a.dtype:
-            flat = flat.to(self.lora_a.dtype)
-        hidden = nn.functional.linear(flat, self.lora_a)
-        hidden.mul_(batch.mask)
-        if flat_out.dtype == hidden.dtype:
-            flat_out.addmm_(hidden, self.lora_b_t)
-        else:
-            flat_out.add_((hidden @ self.lora_b_t).to(flat_out.dtype))
+        flat_out.add_(delta if delta.dtype == flat_out.dtype else delta.to(flat_out.dtype))
         return out
 
     def extra_repr(self) -> str:
@@ -121,13 +99,14 @@ class LoRALinear(nn.Module):
 
 class LoRAGroup:
     """Layers that read the same input tensor (a decoder's q, k and v projections; its
-    gate and up projections): their A's stacked and their B's block-diagonal, so that
-    one pair of products serves all of them, computed when the first is called and
-    taken from by the others. On CPU a small product costs mostly its fixed overhead,
-    so fewer, wider products are what makes mixed-adapter steps cheap.
+    gate and up projections), or one layer alone: their A's stacked and their B's
+    block-diagonal, so that one pair of products serves all of them, computed when the
+    first is called and taken from by the others. On CPU a small product costs mostly
+    its fixed overhead, so fewer, wider products are what makes mixed-adapter steps
+    cheap.
 
-    The members' ``lora_a`` / ``lora_b_t`` become views into the group's tensors, so
-    loading a slot writes through to them."""
+    The members' ``lora_a`` / ``lora_b_t`` become views into the group's tensors (their
+    contents copied), so loading a slot writes through to them."""
 
     def __init__(self, members: list[LoRALinear]) -> None:
         columns = members[0].lora_a.shape[0]
@@ -175,18 +154,19 @@ class LoRAGroup:
 
 def group_shared_inputs(recording: list[tuple[torch.Tensor, LoRALinear]]) -> list[LoRAGroup]:
     """Group the layers a recorded forward called one after another on the same input
-    tensor (of the same size)."""
+    tensor (of the same size); returns the groups of more than one layer."""
     groups: list[LoRAGroup] = []
     run: list[LoRALinear] = []
     previous: torch.Tensor | None = None
     for x, layer in recording:
+        alone = len(layer.group.members) == 1
         if (run and x is previous and layer.in_features == run[0].in_features
-                and layer.group is None and layer not in run):
+                and alone and layer not in run):
             run.append(layer)
             continue
         if len(run) > 1:
             groups.append(LoRAGroup(run))
-        run = [layer] if layer.group is None else []
+        run = [layer] if alone else []
         previous = x
     if len(run) > 1:
         groups.append(LoRAGroup(run))

@@ -23,14 +23,7 @@ from triollm.config import LoRAConfig
 from triollm.errors import LoRAAdapterError
 from triollm.lora.request import LoRARequest
 from triollm.model.lora_adapter import LayerShape, LoRAAdapter, load_adapter
-from triollm.model.lora_layers import (
-    LoRAGroup,
-    LoRALinear,
-    LoRAStep,
-    LoRAStepBatch,
-    adaptable_layers,
-    group_shared_inputs,
-)
+from triollm.model.lora_layers import LoRALinear, LoRAStep, adaptable_layers, group_shared_inputs
 
 __all__ = ["LoRAManager"]
 
@@ -47,7 +40,6 @@ class LoRAManager:
         self.device = device
         self.step = LoRAStep()
         self.layers: dict[str, LoRALinear] = {}
-        self._names: dict[int, str] = {}
         for name, (module, in_features, out_features) in adaptable_layers(
                 model, config.target_modules).items():
             parent_name, _, child = name.rpartition(".")
@@ -57,12 +49,10 @@ class LoRAManager:
                                  device=device, step=self.step)
             setattr(parent, child, wrapped)
             self.layers[name] = wrapped
-            self._names[id(wrapped)] = name
         if not self.layers:
             wanted = config.target_modules or "any"
             raise ValueError(f"lora_target_modules: the model has no linear layer named "
                              f"{wanted} to adapt")
-        self.groups: list[LoRAGroup] = []
         self.shapes = {name: LayerShape(layer.in_features, layer.out_features)
                        for name, layer in self.layers.items()}
         #: Loaded adapters by id, least recently used first.
@@ -137,7 +127,7 @@ class LoRAManager:
             return failed
         slot_of = {lora_id: self._make_resident(lora_id, set(wanted)) for lora_id in wanted}
         if not slot_of:
-            self.step.batch = None
+            self.step.mask = None
             return {}
         token_slots = torch.tensor(
             [-1 if request is None else slot_of[request.lora_int_id]
@@ -146,12 +136,12 @@ class LoRAManager:
         rank = self.config.max_lora_rank
         column_slots = torch.arange(self.config.max_loras * rank) // rank
         mask = (token_slots[:, None] == column_slots[None, :]).to(self.config.lora_dtype)
-        self.step.batch = LoRAStepBatch(mask.to(self.device))
+        self.step.mask = mask.to(self.device)
         return {}
 
     def end_step(self) -> None:
-        self.step.batch = None
-        for group in self.groups:
+        self.step.mask = None
+        for group in {layer.group for layer in self.layers.values()}:
             group.clear()
 
     def calibrate(self, forward: Callable[[], T]) -> T:
@@ -160,13 +150,13 @@ class LoRAManager:
         self.step.recording = []
         try:
             result = forward()
-            self.groups.extend(group_shared_inputs(self.step.recording))
+            groups = group_shared_inputs(self.step.recording)
         finally:
             self.step.recording = None
-        logger.info("LoRA: %d groups of layers share their input (%s)", len(self.groups),
-                    ", ".join(sorted({"+".join(self._names[id(m)].rsplit(".", 1)[-1]
-                                               for m in g.members)
-                                      for g in self.groups})) or "none")
+        names = {id(layer): name.rsplit(".", 1)[-1] for name, layer in self.layers.items()}
+        logger.info("LoRA: %d groups of layers share their input (%s)", len(groups),
+                    ", ".join(sorted({"+".join(names[id(m)] for m in g.members)
+                                      for g in groups})) or "none")
         return result
 
     def _make_resident(self, lora_id: int, needed: set[int]) -> int:
