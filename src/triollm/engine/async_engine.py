@@ -517,11 +517,7 @@ class AsyncLLMEngine:
         core, worker = self._core, self._worker
         if not self._running or core is None or worker is None:
             raise EngineClosedError("the engine is not running")
-        runner = core.runner
-        if self.config.lora is None or not isinstance(runner, LoRAModelRunner):
-            raise ValueError("lora_request: LoRA is not enabled; start the engine with "
-                             "enable_lora=True (--enable-lora)")
-        return core, worker, runner
+        return core, worker, core.lora_runner()
 
     async def is_tracing_enabled(self) -> bool:
         """False: this engine exports no traces (``trace_headers`` are not used)."""

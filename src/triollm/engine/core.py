@@ -95,15 +95,20 @@ class EngineCore:
 
     # -- LoRA adapters ---------------------------------------------------------------
 
+    def lora_runner(self) -> LoRAModelRunner:
+        """The runner, which serves LoRA adapters; ``ValueError`` without ``enable_lora``."""
+        if self.config.lora is None or not isinstance(self.runner, LoRAModelRunner):
+            raise ValueError("lora_request: LoRA is not enabled; start the engine with "
+                             "enable_lora=True (--enable-lora)")
+        return self.runner
+
     def lora_to_load(self, lora_request: LoRARequest) -> bool:
         """Check ``lora_request`` against this engine (``ValueError``); True if the
         runner must load it before ``register_lora``."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request: must be a LoRARequest, got "
                              f"{type(lora_request).__name__}")
-        if self.config.lora is None or not isinstance(self.runner, LoRAModelRunner):
-            raise ValueError("lora_request: LoRA is not enabled; start the engine with "
-                             "enable_lora=True (--enable-lora)")
+        self.lora_runner()
         known = self._loras.get(lora_request.lora_int_id)
         if known is None or lora_request.load_inplace:
             return True
@@ -129,8 +134,7 @@ class EngineCore:
         was added already. In the async engine the load runs in the model thread."""
         if not self.lora_to_load(lora_request):
             return False
-        assert isinstance(self.runner, LoRAModelRunner)
-        self.runner.add_lora(lora_request)
+        self.lora_runner().add_lora(lora_request)
         self.register_lora(lora_request)
         return True
 
