@@ -13,7 +13,7 @@ closes them with ``close_all``, which aborts whatever is unfinished.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -155,13 +155,21 @@ async def submit(state: ServerState, prompts: Sequence[PromptType], params: Samp
     async def start(index: int) -> None:
         submitted[index] = Submitted(index, streams[index], await first_output(streams[index]))
 
+    await for_each_prompt(len(streams), start)
+    return [item for item in submitted if item is not None]
+
+
+async def for_each_prompt(count: int,
+                          one: Callable[[int], Coroutine[object, object, None]]) -> None:
+    """``one(0) ... one(count - 1)`` concurrently, one task per prompt of a request; if
+    any fails, the first error that is an answer for the client answers
+    (``raise_first_answer``)."""
     try:
         async with anyio.create_task_group() as tasks:
-            for index in range(len(streams)):
-                tasks.start_soon(start, index)
+            for index in range(count):
+                tasks.start_soon(one, index)
     except BaseExceptionGroup as group:
         raise_first_answer(group)
-    return [item for item in submitted if item is not None]
 
 
 async def first_output(stream: EngineStream) -> RequestOutput:

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from contextlib import aclosing
 from typing import Any
 
-import anyio
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -29,9 +28,8 @@ from triollm.server.errors import (
     OpenAIError,
     bad_request,
     engine_unavailable,
-    raise_first_answer,
 )
-from triollm.server.generation import engine_request_id
+from triollm.server.generation import engine_request_id, for_each_prompt
 from triollm.server.pooling_protocol import (
     ClassificationData,
     ClassificationRequest,
@@ -143,12 +141,7 @@ async def _encode_all(state: ServerState, prompts: Sequence[PromptType],
         if results[index] is None:
             raise engine_unavailable(EngineClosedError("ended early"))
 
-    try:
-        async with anyio.create_task_group() as tasks:
-            for index in range(len(prompts)):
-                tasks.start_soon(one, index)
-    except BaseExceptionGroup as group:
-        raise_first_answer(group)
+    await for_each_prompt(len(prompts), one)
     return [result for result in results if result is not None]
 
 
