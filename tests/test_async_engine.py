@@ -391,4 +391,5 @@ async def test_trace_headers_without_tracing_are_reported_once(
             outputs = [o async for o in engine.generate(
                 {"prompt_token_ids": [1, 2]}, params(2), request_id, trace_headers=headers)]
             assert outputs[-1].finished
-    assert caplog.text.count("tracing is not enabled") == 1
+        assert not await engine.is_tracing_enabled()
+    assert caplog.text.count("trace context but tracing is disabled") == 1

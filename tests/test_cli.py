@@ -149,7 +149,7 @@ def test_every_vllm_flag_is_known() -> None:
     (["--fully-sharded-loras"], "--fully-sharded-loras: not supported by triollm: this LoRA"),
     (["--pipeline-parallel-size", "2"], "one device"),
     (["--lora-modules", "a/x"], "expected name=path or a JSON object"),
-    (["--otlp-traces-endpoint", "http://c:4317"], "tracing is not implemented"),
+    (["--enable-layerwise-nvtx-tracing"], "NVTX and trace-replay tracing are not supported"),
     (["--swap-space", "16"], "--swap-space 16: not supported by triollm: triollm never swaps"),
     (["--use-v2-block-manager"], "removed from vLLM since"),
 ])
@@ -200,3 +200,12 @@ def test_the_migration_guide_has_a_row_for_every_vllm_flag_and_field() -> None:
         assert missing == [], listing
     assert [flag for flag in OLDER_VLLM_FLAGS if f"| `{flag}` |" not in guide] == []
     assert "ignored |" not in guide
+
+
+def test_tracing_flags_reach_the_engine_arguments() -> None:
+    engine, _ = parse("m", "--otlp-traces-endpoint", "http://collector:4318/v1/traces",
+                      "--collect-detailed-traces", "model,worker")
+    assert engine.otlp_traces_endpoint == "http://collector:4318/v1/traces"
+    assert engine.collect_detailed_traces == ["model,worker"]
+    engine, options = parse("m", "--disable-log-stats")
+    assert engine.disable_log_stats and options.log_stats_interval is None

@@ -91,6 +91,11 @@ _HELP = {
     "lora_dtype": "dtype of the adapters' weights: auto (the model's), bfloat16, float32",
     "lora_target_modules": "only these module names take adapters (default: every linear "
                            "layer but the LM head)",
+    "otlp_traces_endpoint": "send a span per finished request to this OpenTelemetry "
+                            "collector (OTLP; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc "
+                            "or http/protobuf; needs pip install 'triollm[tracing]')",
+    "collect_detailed_traces": "add model forward (model) and model runner (worker) time "
+                               "to each span: model, worker or all",
     "pooler_config": 'overrides of the model\'s pooling as JSON: pooling_type (MEAN, CLS, '
                      'LAST), use_activation (normalize), dimensions '
                      '(e.g. \'{"pooling_type": "MEAN"}\')',

@@ -27,6 +27,7 @@ __all__ = [
     "EngineConfig",
     "LoRAConfig",
     "ModelConfig",
+    "ObservabilityConfig",
     "ParallelConfig",
     "PoolerConfig",
     "RunnerKind",
@@ -150,12 +151,24 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    """Tracing (vLLM's ``ObservabilityConfig`` fields that triollm serves)."""
+
+    #: Where finished requests' spans go over OTLP (None: no tracing).
+    otlp_traces_endpoint: str | None = None
+    #: Extra per-request timings on each span: ``model`` (time in the model forward),
+    #: ``worker`` (time in the model runner); ``all`` is resolved into both.
+    collect_detailed_traces: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     #: None unless ``enable_lora``.
     lora: LoRAConfig | None = None
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
 
 @dataclass(frozen=True)

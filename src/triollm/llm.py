@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -16,6 +17,7 @@ from triollm.engine.chat import ContentFormat, render_chat
 from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType, TokensPrompt
 from triollm.engine.scoring import plan_scoring, score_pairs
+from triollm.engine.tracing import RequestTracer
 from triollm.errors import RequestFailedError
 from triollm.lora.request import LoRARequest
 from triollm.outputs import (
@@ -59,6 +61,14 @@ class LLM:
                                         download_dir=config.model.download_dir)
         self.engine = EngineCore(config, create_runner(config), self.tokenizer)
         self._ids = itertools.count()
+        #: Each finished request's span goes to ``otlp_traces_endpoint``, from a thread
+        #: that lives as long as this object (flushed when it is collected, or at exit).
+        self._tracer: RequestTracer | None = None
+        endpoint = config.observability.otlp_traces_endpoint
+        if endpoint is not None:
+            self._tracer = RequestTracer(endpoint)
+            self.engine.collect_stats = True
+            weakref.finalize(self, self._tracer.shutdown)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
@@ -263,6 +273,8 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 outputs = engine.step()
+                if self._tracer is not None:
+                    self._tracer.record(engine.take_stats())
                 for failure in engine.take_failures():
                     raise RequestFailedError(f"request {failure.request_id!r} failed: "
                                              f"{failure.error}")
@@ -277,6 +289,8 @@ class LLM:
                         bar.set_postfix_str(f"{generated / elapsed:.1f} toks/s")
         except BaseException:
             engine.abort_requests(ids)
+            if self._tracer is not None:
+                self._tracer.record(engine.take_stats())
             raise
         finally:
             bar.close()

@@ -65,6 +65,11 @@ class RequestMetrics:
     #: Whether it met every target it had (set when it finishes without abort; None if
     #: it had no target).
     slo_attained: bool | None = None
+    #: Seconds in the model forward and in the model runner over the steps it took part
+    #: in (vLLM's names; measured only with ``collect_detailed_traces`` "model" and
+    #: "worker", else None).
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -24,7 +24,8 @@ _LORA = "this LoRA option is not supported: triollm serves LoRA adapters on the 
 _QUANT = "quantized weights and KV caches are not supported: weights load in --dtype"
 _KERNELS = "vLLM's kernel, CUDA-graph and compilation settings have no counterpart: " \
            "triollm compiles only its CPU decode attention (--enforce-eager turns it off)"
-_TRACING = "OpenTelemetry tracing is not implemented yet"
+_TRACING = ("NVTX and trace-replay tracing are not supported (OpenTelemetry is: "
+            "--otlp-traces-endpoint)")
 _METRICS = "this metric is not implemented"
 _TOOLS = "this server has no tool-call or reasoning parser"
 _SPEC = "speculative decoding is not supported"
@@ -123,8 +124,6 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
                 "--use-fp64-gumbel", "--jit-monitor-verbose",
                 "--enable-flash-late-interaction"),
     # tracing, metrics and logging
-    **_values(_TRACING, "--otlp-traces-endpoint"),
-    **_lists(_TRACING, "--collect-detailed-traces"),
     **_switches(_TRACING, "--enable-layerwise-nvtx-tracing", "--enable-trace-replay"),
     **_switches(_METRICS, "--cudagraph-metrics", "--enable-mfu-metrics",
                 "--kv-cache-metrics", "--enable-per-request-metrics",

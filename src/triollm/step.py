@@ -102,6 +102,10 @@ class RunnerOutput:
     #: A pooling runner's result for each pooled request: a 1-D float32 torch tensor
     #: (typed loosely: this module imports no torch).
     pooled: dict[str, Any] = field(default_factory=dict)
+    #: Seconds the step spent in the model forward, and in ``execute_model`` as a whole
+    #: (None where a runner does not measure them).
+    forward_seconds: float | None = None
+    execute_seconds: float | None = None
 
 
 @runtime_checkable

@@ -20,6 +20,7 @@ from triollm.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    ObservabilityConfig,
     RunnerKind,
     SchedulerConfig,
 )
@@ -212,6 +213,12 @@ class EngineArgs:
     lora_dtype: str = "auto"
     #: Only these module names take adapters (None: every linear layer of the decoder).
     lora_target_modules: list[str] | None = None
+    #: OpenTelemetry: send each finished request's span to this OTLP endpoint (the
+    #: protocol from ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``: grpc or http/protobuf).
+    otlp_traces_endpoint: str | None = None
+    #: Extra timings on each span: ``model``, ``worker`` or ``all`` (a list, or one
+    #: comma-separated string).
+    collect_detailed_traces: list[str] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
@@ -302,7 +309,34 @@ class EngineArgs:
             max_loras=self.max_loras if self.enable_lora else None,
         )
         return EngineConfig(model=model, cache=cache, scheduler=scheduler,
-                            lora=self._lora_config(runner, device, dtype))
+                            lora=self._lora_config(runner, device, dtype),
+                            observability=self._observability_config())
+
+    def _observability_config(self) -> ObservabilityConfig:
+        endpoint = self.otlp_traces_endpoint
+        detailed = self.collect_detailed_traces
+        names = ([] if detailed is None else
+                 [part.strip() for item in ([detailed] if isinstance(detailed, str)
+                                            else detailed) for part in str(item).split(",")
+                  if part.strip()])
+        for name in names:
+            if name not in ("model", "worker", "all"):
+                raise _fail("collect_detailed_traces", f"expected model, worker or all, "
+                            f"got {name!r}")
+        if names and endpoint is None:
+            raise _fail("collect_detailed_traces", "needs otlp_traces_endpoint "
+                        "(--otlp-traces-endpoint) to be set")
+        if endpoint is not None:
+            if not isinstance(endpoint, str) or not endpoint.strip():
+                raise _fail("otlp_traces_endpoint", f"must be a URL, got {endpoint!r}")
+            from triollm.engine.tracing import tracing_unavailable_reason
+
+            reason = tracing_unavailable_reason()
+            if reason is not None:
+                raise _fail("otlp_traces_endpoint", reason)
+        modules = ("model", "worker") if "all" in names else tuple(dict.fromkeys(names))
+        return ObservabilityConfig(otlp_traces_endpoint=endpoint,
+                                   collect_detailed_traces=modules)
 
     def _lora_config(self, runner: RunnerKind, device: torch.device,
                      dtype: torch.dtype) -> LoRAConfig | None:

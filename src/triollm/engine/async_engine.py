@@ -26,7 +26,14 @@ from triollm.config import DecodingConfig, ParallelConfig
 from triollm.engine.channel import RequestChannel, RequestChannels, wakeup_factory
 from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType
-from triollm.engine.stats import EngineStatistics, StatLogger, StatLoggers, stat_logger_list
+from triollm.engine.stats import (
+    EngineStatistics,
+    LoggingStatLogger,
+    StatLogger,
+    StatLoggers,
+    stat_logger_list,
+)
+from triollm.engine.tracing import RequestTracer
 from triollm.engine.worker import ModelWorker, open_model_worker
 from triollm.errors import EngineClosedError, EngineDeadError, RequestFailedError
 from triollm.lora.request import LoRARequest
@@ -61,6 +68,19 @@ def _raise_unwrapped(group: BaseExceptionGroup[BaseException]) -> NoReturn:
     raise error from error.__cause__
 
 
+def _shown_prompt(prompt: PromptType, max_log_len: int | None) -> object:
+    """A prompt as request logs show it: its text and token ids cut to ``max_log_len``."""
+    if max_log_len is None:
+        return prompt
+    if isinstance(prompt, str | list):
+        return prompt[:max_log_len]
+    if isinstance(prompt, Mapping):
+        return {key: value[:max_log_len] if key in ("prompt", "prompt_token_ids")
+                and isinstance(value, str | list) else value
+                for key, value in prompt.items()}
+    return prompt
+
+
 class AsyncLLMEngine:
     """vLLM's ``AsyncLLMEngine`` API on anyio (trio or asyncio).
 
@@ -81,6 +101,7 @@ class AsyncLLMEngine:
         max_log_len: int | None = None,
         stream_buffer_size: int = _DEFAULT_STREAM_BUFFER,
         stat_loggers: StatLoggers | None = None,
+        log_stats: bool = False,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -97,7 +118,18 @@ class AsyncLLMEngine:
         self._num_steps = 0
         self._task_group: anyio.abc.TaskGroup | None = None
         self._stat_loggers: list[StatLogger] = stat_logger_list(stat_loggers, config)
+        #: With ``log_stats``: vLLM's statistics line, written by ``do_log_stats``, and
+        #: the server's Prometheus metrics.
+        self.log_stats = log_stats
+        self._stats_line: LoggingStatLogger | None = None
+        if log_stats:
+            device = config.model.device.type
+            self._stats_line = LoggingStatLogger("GPU" if device == "cuda" else device.upper())
+            self._stat_loggers.append(self._stats_line)
         self._warned_tracing = False
+        #: Exports each finished request's span while the engine runs (None without
+        #: ``otlp_traces_endpoint``); ``run`` opens and shuts it.
+        self._tracer: RequestTracer | None = None
 
     @classmethod
     def from_engine_args(
@@ -125,7 +157,8 @@ class AsyncLLMEngine:
                    log_requests=(getattr(engine_args, "enable_log_requests", False)
                                  and not getattr(engine_args, "disable_log_requests", False)),
                    max_log_len=getattr(engine_args, "max_log_len", None),
-                   stream_buffer_size=stream_buffer_size, stat_loggers=stat_loggers)
+                   stream_buffer_size=stream_buffer_size, stat_loggers=stat_loggers,
+                   log_stats=not getattr(engine_args, "disable_log_stats", False))
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Have ``stat_logger.record`` called after every step (before ``run``)."""
@@ -179,6 +212,10 @@ class AsyncLLMEngine:
             try:
                 runner = await worker.run_sync(self._runner_factory)
                 self._core = EngineCore(self.config, runner, self.tokenizer)
+                endpoint = self.config.observability.otlp_traces_endpoint
+                if endpoint is not None:
+                    self._tracer = RequestTracer(endpoint)
+                    self._stat_loggers.append(self._tracer)
                 self._core.collect_stats = bool(self._stat_loggers)
                 # As vLLM does after start-up: the model, tokenizer and imports are
                 # long-lived, so keep the cyclic GC from re-scanning them on every
@@ -206,10 +243,20 @@ class AsyncLLMEngine:
                 self._running = False
                 if self._core is not None:
                     self._core.abort_requests(self._core.unfinished_request_ids())
+                    self._record_stats()  # their spans and metrics too
                 if runner is not None:
                     await worker.run_sync(runner.shutdown)
+                if self._tracer is not None:
+                    await self._shut_tracer(self._tracer)
                 if heap_frozen:
                     gc.unfreeze()
+
+    @staticmethod
+    async def _shut_tracer(tracer: RequestTracer) -> None:
+        """Send the spans still queued (for a bounded time when the collector does not
+        answer), in a thread: the event loop goes on meanwhile."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(tracer.shutdown)
 
     async def _step_loop(self, core: EngineCore, runner: ModelRunner,
                          worker: ModelWorker) -> None:
@@ -291,11 +338,12 @@ class AsyncLLMEngine:
         """
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        self._check_tracing(trace_headers)
+        trace_headers = self._trace_headers(trace_headers)
         if lora_request is not None:
             await self._ensure_lora(lora_request)
         channel = self._add_request(prompt, sampling_params, request_id, priority,
-                                    is_latency_sensitive, slo, ttft_slo, lora_request)
+                                    is_latency_sensitive, slo, ttft_slo, lora_request,
+                                    trace_headers)
         async with aclosing(self._stream(channel)) as stream:
             async for output in stream:
                 assert isinstance(output, RequestOutput)
@@ -318,20 +366,32 @@ class AsyncLLMEngine:
         request; an aborted request's stream ends without an output. Raises
         ``ValueError`` for bad input or a generation model (and for a ``lora_request``:
         LoRA adapters are served over generation models)."""
-        self._check_tracing(trace_headers)
+        trace_headers = self._trace_headers(trace_headers)
         channel = self._add_request(prompt, pooling_params or PoolingParams(), request_id,
-                                    priority, is_latency_sensitive, lora_request=lora_request)
+                                    priority, is_latency_sensitive, lora_request=lora_request,
+                                    trace_headers=trace_headers)
         async with aclosing(self._stream(channel)) as stream:
             async for output in stream:
                 assert isinstance(output, PoolingRequestOutput)
                 yield output
 
-    def _check_tracing(self, trace_headers: Mapping[str, str] | None) -> None:
-        if trace_headers and not self._warned_tracing:
-            # as vLLM when no OTLP endpoint is set: said once, the request goes on
-            self._warned_tracing = True
-            logger.warning("Received a request with trace headers, but tracing is not "
-                           "enabled (this engine exports no traces); they are not used.")
+    def _trace_headers(self, trace_headers: Mapping[str, str] | None
+                       ) -> Mapping[str, str] | None:
+        """The headers to parent the request's span with; None without tracing."""
+        if trace_headers is None:
+            return None
+        if not isinstance(trace_headers, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in trace_headers.items()):
+            raise ValueError("trace_headers: must be a mapping of header names to strings")
+        if self.config.observability.otlp_traces_endpoint is None:
+            if trace_headers and not self._warned_tracing:
+                # as vLLM when no OTLP endpoint is set: said once, the request goes on
+                self._warned_tracing = True
+                logger.warning("Received a request with trace context but tracing is "
+                               "disabled (start the engine with otlp_traces_endpoint, "
+                               "--otlp-traces-endpoint, to export spans)")
+            return None
+        return {name.lower(): value for name, value in trace_headers.items()}
 
     async def _stream(self, channel: RequestChannel) -> AsyncGenerator[EngineOutput, None]:
         """The outputs of one request; closing it before the end aborts the request
@@ -358,7 +418,8 @@ class AsyncLLMEngine:
                      priority: int, is_latency_sensitive: bool = False,
                      slo: float | None = None,
                      ttft_slo: float | None = None,
-                     lora_request: LoRARequest | None = None) -> RequestChannel:
+                     lora_request: LoRARequest | None = None,
+                     trace_headers: Mapping[str, str] | None = None) -> RequestChannel:
         self._raise_if_dead()
         core = self._core
         if not self._running or core is None:
@@ -368,7 +429,8 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         engine_id = core.add_request(request_id, prompt, params, priority=priority,
                                      is_latency_sensitive=is_latency_sensitive, slo=slo,
-                                     ttft_slo=ttft_slo, lora_request=lora_request)
+                                     ttft_slo=ttft_slo, lora_request=lora_request,
+                                     trace_headers=trace_headers)
         channel = self._channels.open(request_id, params.output_kind, engine_id)
         if self.log_requests:
             self._log_request(request_id, prompt, params)
@@ -377,10 +439,8 @@ class AsyncLLMEngine:
 
     def _log_request(self, request_id: str, prompt: PromptType,
                      params: SamplingParams | PoolingParams) -> None:
-        shown = prompt
-        if self.max_log_len is not None and isinstance(prompt, str | list):
-            shown = prompt[: self.max_log_len]
-        logger.info("Received request %s: prompt: %r, params: %s.", request_id, shown, params)
+        logger.info("Received request %s: prompt: %r, params: %s.", request_id,
+                    _shown_prompt(prompt, self.max_log_len), params)
 
     def _abort_now(self, channel: RequestChannel) -> None:
         """Abort the request behind ``channel`` (by its engine id: a request that reuses
@@ -520,8 +580,9 @@ class AsyncLLMEngine:
         return core, worker, core.lora_runner()
 
     async def is_tracing_enabled(self) -> bool:
-        """False: this engine exports no traces (``trace_headers`` are not used)."""
-        return False
+        """Whether finished requests' spans are exported (``otlp_traces_endpoint``)."""
+        await anyio.lowlevel.checkpoint()
+        return self.config.observability.otlp_traces_endpoint is not None
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's sampling defaults with the model's generation config on top (what the
@@ -529,11 +590,11 @@ class AsyncLLMEngine:
         return SamplingParams(**self.config.model.generation_defaults)
 
     async def do_log_stats(self, *args: object, **kwargs: object) -> None:
-        stats = self.statistics()
-        used = stats.num_total_blocks - stats.num_free_blocks
-        usage = used / stats.num_total_blocks if stats.num_total_blocks else 0.0
-        logger.info("Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, steps: %d",
-                    stats.num_running, stats.num_waiting, 100 * usage, stats.num_steps)
+        """Log vLLM's statistics line (throughput since the last line, requests running
+        and waiting, KV-cache usage); nothing unless the engine logs stats
+        (``disable_log_stats`` not set)."""
+        if self._stats_line is not None:
+            self._stats_line.log(self.statistics())
         await anyio.lowlevel.checkpoint()
 
     def __repr__(self) -> str:

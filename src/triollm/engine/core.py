@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from triollm.config import EngineConfig
@@ -25,7 +25,7 @@ from triollm.engine.inputs import PromptType, bad_words_token_ids, process_promp
 from triollm.engine.output_processor import OutputProcessor, ParentRequest
 from triollm.engine.request import Request, RequestStatus
 from triollm.engine.scheduler import Scheduler, SchedulerStatistics
-from triollm.engine.stats import FinishedRequestStats, IterationStats
+from triollm.engine.stats import FinishedParentStats, FinishedRequestStats, IterationStats
 from triollm.lora.request import LoRARequest
 from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from triollm.pooling_params import PoolingParams
@@ -83,6 +83,10 @@ class EngineCore:
         #: Gather ``IterationStats`` for ``take_stats()`` (off unless someone takes them,
         #: so an offline run does not accumulate per-token latencies).
         self.collect_stats = False
+        #: Add each step's model forward and ``execute_model`` seconds to the metrics of
+        #: the requests in it (``collect_detailed_traces``: "model", "worker").
+        self.collect_forward_time = "model" in config.observability.collect_detailed_traces
+        self.collect_execute_time = "worker" in config.observability.collect_detailed_traces
         self._stats = IterationStats()
         self._step_started = 0.0
         #: When the previous step's tokens were taken, if work was left to run straight
@@ -175,6 +179,7 @@ class EngineCore:
         slo: float | None = None,
         ttft_slo: float | None = None,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> str:
         """Validate and queue a request; returns its engine id. Raises ``ValueError``
         (and changes nothing) for a bad prompt, bad parameters or an id in flight.
@@ -185,7 +190,8 @@ class EngineCore:
         ``PoolingParams`` make a pooling request (a pooling model only): its whole
         prompt runs in one step and its one output is the pooled result.
         ``lora_request`` runs it through a LoRA adapter, which ``add_lora`` loads first
-        (the front-ends do it)."""
+        (the front-ends do it). ``trace_headers`` (W3C ``traceparent``/``tracestate``)
+        travel with the request to its finished statistics, for its trace span."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id: must be a string, got {request_id!r}")
         if request_id in self._engine_ids:
@@ -196,7 +202,7 @@ class EngineCore:
         if isinstance(params, PoolingParams):
             self._check_scheduling(priority, slo, ttft_slo)
             return self._add_pooling_request(request_id, prompt, params, arrival_time,
-                                             priority, is_latency_sensitive)
+                                             priority, is_latency_sensitive, trace_headers)
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
         pooler = self.config.model.pooler
@@ -239,7 +245,8 @@ class EngineCore:
                                                                        processed.token_ids)
             children.append(child)
         return self._register(ParentRequest(request_id, engine_id, processed.text,
-                                            processed.token_ids, params.output_kind, children))
+                                            processed.token_ids, params.output_kind, children,
+                                            trace_headers=trace_headers))
 
     def _register(self, parent: ParentRequest) -> str:
         """Track a new request and queue its sequences; returns its engine id."""
@@ -261,7 +268,8 @@ class EngineCore:
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
                              arrival_time: float | None, priority: int,
-                             is_latency_sensitive: bool) -> str:
+                             is_latency_sensitive: bool,
+                             trace_headers: Mapping[str, str] | None) -> str:
         model = self.config.model
         if model.pooler is None:
             raise ValueError(f"pooling_params: {model.served_model_name!r} is loaded with "
@@ -281,7 +289,8 @@ class EngineCore:
                           is_latency_sensitive=is_latency_sensitive)
         return self._register(ParentRequest(request_id, engine_id, processed.text,
                                             processed.token_ids, RequestOutputKind.FINAL_ONLY,
-                                            [request], pooling=True))
+                                            [request], pooling=True,
+                                            trace_headers=trace_headers))
 
     def _new_engine_id(self, request_id: str) -> str:
         return f"{request_id}-{next(self._sequence_numbers)}"
@@ -361,6 +370,10 @@ class EngineCore:
         started = self._previous_step_end
         self.scheduler.observe_step_time(
             scheduler_output, now - (self._step_started if started is None else started))
+        if self.collect_stats:
+            self._stats.iteration_tokens.append(scheduler_output.num_batched_tokens)
+        if self.collect_forward_time or self.collect_execute_time:
+            self._add_model_times(scheduler_output, runner_output)
         touched: dict[str, ParentRequest] = {}
         finished: dict[RequestStatus, list[str]] = {}
         failed: dict[str, tuple[ParentRequest, str]] = {}
@@ -451,7 +464,7 @@ class EngineCore:
         self.scheduler.finish_requests([c.request_id for c in running],
                                        RequestStatus.FINISHED_ABORTED)
         for child in running:
-            self._finish(child, RequestStatus.FINISHED_ABORTED, now)
+            self._finish(child, RequestStatus.FINISHED_ABORTED, now, failed=True)
         self._forget(parent)
         self._failures.append(RequestFailure(parent.request_id, parent.engine_id, error))
 
@@ -461,6 +474,8 @@ class EngineCore:
         return failures
 
     def _forget(self, parent: ParentRequest) -> None:
+        if self.collect_stats and parent.engine_id in self._parents:
+            self._stats.finished_requests.append(self._finished_parent_stats(parent))
         self._parents.pop(parent.engine_id, None)
         if self._engine_ids.get(parent.request_id) == parent.engine_id:
             del self._engine_ids[parent.request_id]
@@ -479,8 +494,10 @@ class EngineCore:
         elif metrics.last_token_time is not None:
             stats.inter_token_latency.append(now - metrics.last_token_time)
 
-    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
-        """Mark a request finished, judge its SLO and record its statistics."""
+    def _finish(self, request: Request, status: RequestStatus, now: float, *,
+                failed: bool = False) -> None:
+        """Mark a request finished, judge its SLO and record its statistics (those of a
+        ``failed`` request under vLLM's finish reason "error")."""
         request.status = status
         metrics = request.metrics
         metrics.finished_time = now
@@ -492,11 +509,54 @@ class EngineCore:
         if status is not RequestStatus.FINISHED_ABORTED:
             metrics.slo_attained = metrics.judge_slo()
         if self.collect_stats:
-            self._stats.finished.append(FinishedRequestStats(
-                finish_reason=status.value, e2e_latency=now - metrics.arrival_time,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_generation_tokens=request.num_output_tokens,
-                slo_attained=metrics.slo_attained))
+            self._stats.finished.append(_finished_request_stats(
+                request, "error" if failed else status.value, now))
+
+    def _finished_parent_stats(self, parent: ParentRequest) -> FinishedParentStats:
+        children = parent.children
+        metrics = [child.metrics for child in children]
+        params = children[0].sampling_params
+
+        def earliest(times: Iterable[float | None]) -> float | None:
+            return min((t for t in times if t is not None), default=None)
+
+        forward = [m.model_forward_time for m in metrics if m.model_forward_time is not None]
+        execute = [m.model_execute_time for m in metrics if m.model_execute_time is not None]
+        return FinishedParentStats(
+            request_id=parent.request_id,
+            model_name=self.config.model.served_model_name,
+            trace_headers=parent.trace_headers,
+            arrival_time=metrics[0].arrival_time,
+            finished_time=max(m.finished_time or m.arrival_time for m in metrics),
+            first_scheduled_time=earliest(m.first_scheduled_time for m in metrics),
+            first_token_time=earliest(m.first_token_time for m in metrics),
+            last_token_time=max((m.last_token_time for m in metrics
+                                 if m.last_token_time is not None), default=None),
+            num_prompt_tokens=len(parent.prompt_token_ids),
+            num_generation_tokens=sum(child.num_output_tokens for child in children),
+            max_num_generation_tokens=max(child.num_output_tokens for child in children),
+            finish_reasons=tuple(child.finish_reason or "abort" for child in children),
+            n=len(children),
+            max_tokens=None if params is None else params.max_tokens,
+            temperature=None if params is None else params.temperature,
+            top_p=None if params is None else params.top_p,
+            # The sequences of one request run in the same steps: the longest is its time.
+            model_forward_time=max(forward) if forward else None,
+            model_execute_time=max(execute) if execute else None)
+
+    def _add_model_times(self, scheduler_output: SchedulerOutput,
+                         runner_output: RunnerOutput) -> None:
+        forward = runner_output.forward_seconds if self.collect_forward_time else None
+        execute = runner_output.execute_seconds if self.collect_execute_time else None
+        for item in scheduler_output.scheduled:
+            request = self._requests.get(item.request_id)
+            if request is None:
+                continue
+            metrics = request.metrics
+            if forward is not None:
+                metrics.model_forward_time = (metrics.model_forward_time or 0.0) + forward
+            if execute is not None:
+                metrics.model_execute_time = (metrics.model_execute_time or 0.0) + execute
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only while no request holds blocks (returns
@@ -513,6 +573,30 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+
+
+def _finished_request_stats(request: Request, finish_reason: str,
+                            now: float) -> FinishedRequestStats:
+    """vLLM's per-sequence statistics: its phases measured from its timestamps."""
+    metrics = request.metrics
+    scheduled = metrics.first_scheduled_time
+    first, last = metrics.first_token_time, metrics.last_token_time
+    decode = last - first if first is not None and last is not None else 0.0
+    generated = request.num_output_tokens
+    params = request.sampling_params
+    return FinishedRequestStats(
+        finish_reason=finish_reason, e2e_latency=now - metrics.arrival_time,
+        num_prompt_tokens=request.num_prompt_tokens, num_generation_tokens=generated,
+        slo_attained=metrics.slo_attained,
+        queued_time=(scheduled if scheduled is not None else now) - metrics.arrival_time,
+        prefill_time=first - scheduled if first is not None and scheduled is not None
+        else 0.0,
+        decode_time=decode,
+        inference_time=last - scheduled if last is not None and scheduled is not None
+        else 0.0,
+        mean_time_per_output_token=decode / (generated - 1) if generated > 1 else 0.0,
+        num_preemptions=metrics.num_preemptions,
+        max_tokens_param=None if params is None else params.max_tokens)
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer: Tokenizer | None) -> set[int]:

@@ -9,6 +9,7 @@ asks for the output to deliver. No torch, no event loop.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from triollm.engine.detokenizer import IncrementalDetokenizer, Tokenizer, decode_text
@@ -34,6 +35,8 @@ class ParentRequest:
     prompt_logprobs_sent: bool = False
     #: A pooling request: one child, no text, one output made by the core.
     pooling: bool = False
+    #: The caller's W3C trace context (``traceparent``, ``tracestate``), for its span.
+    trace_headers: Mapping[str, str] | None = None
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,7 @@ own head turns the pooled rows into label scores.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -116,6 +117,7 @@ class PoolingModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        started = time.perf_counter()
         if scheduler_output.is_empty:
             return RunnerOutput()
         if self.compute_threads is not None:
@@ -144,7 +146,9 @@ class PoolingModelRunner:
                 types = item.pooling_params.token_type_ids
                 token_types.extend(types if types is not None else [0] * item.num_tokens)
         metadata = VarlenMetadata.from_lengths([item.num_tokens for item in items])
+        forward_started = time.perf_counter()
         hidden = self._hidden(input_ids, positions, token_types, metadata)
+        forward_seconds = time.perf_counter() - forward_started
         pooled = self.pooler.pool(hidden, metadata.spans)
         finish: Callable[[torch.Tensor, PoolingParams], torch.Tensor]
         if self.head is not None:
@@ -154,11 +158,12 @@ class PoolingModelRunner:
             vectors = self.pooler.project(pooled)
             finish = Pooler.finish_embedding
         vectors = vectors.cpu()
-        output = RunnerOutput(failed=failed)
+        pooled_by_id = {}
         for row, item in enumerate(items):
             assert item.pooling_params is not None
-            output.pooled[item.request_id] = finish(vectors[row], item.pooling_params).clone()
-        return output
+            pooled_by_id[item.request_id] = finish(vectors[row], item.pooling_params).clone()
+        return RunnerOutput(failed=failed, pooled=pooled_by_id, forward_seconds=forward_seconds,
+                            execute_seconds=time.perf_counter() - started)
 
     def shutdown(self) -> None:
         del self.model

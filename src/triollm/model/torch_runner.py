@@ -9,7 +9,9 @@ only runs where a token is sampled or a prompt log-probability is wanted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -85,6 +87,10 @@ class TorchModelRunner:
         model_config = config.model
         self.device = model_config.device
         self.dtype = model_config.dtype
+        # Kernels run asynchronously on CUDA: the forward's time is known only after a
+        # synchronization, paid only when a trace asks for it.
+        self.sync_forward_time = (self.device.type == "cuda" and "model" in
+                                  config.observability.collect_detailed_traces)
         # On CPU attention computes in fp32 (the CPU SDPA kernels run several times
         # faster in fp32 than in bf16). The cache keeps the model's dtype where the C
         # decode kernel reads it (bf16 keys and values lose nothing stored as bf16, and
@@ -226,6 +232,7 @@ class TorchModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        started = time.perf_counter()
         for request_id in scheduler_output.finished_request_ids:
             self._requests.pop(request_id, None)
         if scheduler_output.is_empty:
@@ -251,6 +258,7 @@ class TorchModelRunner:
             return RunnerOutput(failed=failed)
 
         metadata, input_ids, positions, keep, keep_owner = self._prepare(items)
+        forward_started = time.perf_counter()
         try:
             logits = self.model(
                 input_ids=input_ids[None],
@@ -259,12 +267,16 @@ class TorchModelRunner:
                 logits_to_keep=keep,
                 triollm_metadata=metadata,
             ).logits[0]
+            if self.sync_forward_time:
+                torch.cuda.synchronize(self.device)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+        forward_seconds = time.perf_counter() - forward_started
         output = self._sample(items, logits, keep_owner)
         output.failed.update(failed)
-        return output
+        return dataclasses.replace(output, forward_seconds=forward_seconds,
+                                   execute_seconds=time.perf_counter() - started)
 
     def _begin_lora_step(self, items: list[ScheduledRequest], failed: dict[str, str]
                          ) -> list[ScheduledRequest]:

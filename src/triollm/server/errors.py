@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from fastapi import FastAPI, Request
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException
 from triollm.errors import EngineDeadError, RequestFailedError
 
 __all__ = ["OpenAIError", "add_error_handlers", "bad_request", "engine_unavailable",
-           "error_json", "stream_error_event"]
+           "error_json", "remember_request_id", "request_id_of", "stream_error_event"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +136,28 @@ async def _internal_error(request: Request, error: Exception) -> JSONResponse:
     """A bug's 500, in OpenAI's shape, logged with its traceback and the request's id.
     (Starlette calls this for any exception a route raises, also once a stream has
     started, when only the log is left to do.)"""
-    request_id = request.headers.get("x-request-id", "-")
-    logger.error("%s %s (X-Request-Id %s) failed", request.method, request.url.path,
-                 request_id, exc_info=error)
+    logger.error("%s %s (request id %s) failed", request.method, request.url.path,
+                 request_id_of(request.scope), exc_info=error)
     return OpenAIError(500, f"Internal server error: {type(error).__name__}",
                        type="InternalServerError").response()
+
+
+def request_id_of(scope: Mapping[str, Any]) -> str:
+    """The id an HTTP request is known by, for log lines: the one its route chose
+    (``remember_request_id``), else the client's ``X-Request-Id``, else "-"."""
+    chosen = (scope.get("state") or {}).get("request_id")
+    if chosen:
+        return str(chosen)
+    for name, value in scope.get("headers") or ():
+        if name == b"x-request-id":
+            return str(value.decode("latin-1"))
+    return "-"
+
+
+def remember_request_id(request: Request, request_id: str) -> str:
+    """Record the id a route answers under, so that error log lines name it."""
+    request.state.request_id = request_id
+    return request_id
 
 
 def add_error_handlers(app: FastAPI) -> None:

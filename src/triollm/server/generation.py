@@ -13,7 +13,14 @@ closes them with ``close_all``, which aborts whatever is unfinished.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import cast
 
@@ -22,6 +29,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from triollm.engine.inputs import PromptType, TokensPrompt
+from triollm.engine.tracing import trace_headers_from
 from triollm.errors import EngineClosedError, EngineError
 from triollm.outputs import RequestOutput
 from triollm.sampling_params import SamplingParams, check_text
@@ -30,6 +38,7 @@ from triollm.server.errors import (
     bad_request,
     engine_unavailable,
     raise_first_answer,
+    remember_request_id,
 )
 from triollm.server.protocol import ChatCompletionRequest, CompletionRequest, random_id
 from triollm.server.state import ServerState
@@ -58,7 +67,14 @@ class Submitted:
 def request_id_for(request: Request, body: CompletionRequest | ChatCompletionRequest,
                    prefix: str) -> str:
     """The client's id (body, then ``X-Request-Id``), or a fresh one."""
-    return body.request_id or request.headers.get("x-request-id") or random_id(prefix)
+    return remember_request_id(request, body.request_id or request.headers.get("x-request-id")
+                               or random_id(prefix))
+
+
+def trace_headers(request: Request) -> dict[str, str] | None:
+    """The W3C trace context the client sent (``traceparent``, ``tracestate``), for the
+    engine to parent the request's span with."""
+    return trace_headers_from(request.headers)
 
 
 def engine_request_id(request_id: str) -> str:
@@ -130,7 +146,8 @@ def check_limits(state: ServerState, prompt: TokensPrompt, params: SamplingParam
 
 async def submit(state: ServerState, prompts: Sequence[PromptType], params: SamplingParams,
                  request_id: str, body: CompletionRequest | ChatCompletionRequest,
-                 opened: list[EngineStream]) -> list[Submitted]:
+                 opened: list[EngineStream],
+                 trace: Mapping[str, str] | None = None) -> list[Submitted]:
     """Check every prompt against the limits, add them all to the engine at once and wait
     for each one's first output, so that bad input is a 400 before any response starts.
     Streams are appended to ``opened`` (the caller closes them, which aborts whatever is
@@ -145,7 +162,7 @@ async def submit(state: ServerState, prompts: Sequence[PromptType], params: Samp
     streams = [state.engine.generate(
         prompt, params, base_id if len(ready) == 1 else f"{base_id}-{index}",
         priority=body.priority, is_latency_sensitive=body.latency_sensitive, slo=body.slo,
-        ttft_slo=body.ttft_slo, lora_request=state.lora_for(body.model))
+        ttft_slo=body.ttft_slo, lora_request=state.lora_for(body.model), trace_headers=trace)
         for index, prompt in enumerate(ready)]
     opened.extend(streams)
     if len(streams) == 1:

@@ -1,8 +1,12 @@
-"""Prometheus metrics with vLLM's names under a ``triollm:`` prefix.
+"""Prometheus metrics under vLLM's names, types, buckets and labels, so that vLLM's
+Grafana dashboard reads a triollm server unchanged.
 
 Counters and histograms are fed by the engine after every step (``StatLogger``); the
-gauges (running, waiting, KV-cache usage) are read from ``engine.statistics()`` when
-``/metrics`` is scraped. Each server has its own registry, so several can live in one
+gauges (running, waiting, KV-cache usage) and the engine's own running totals
+(preemptions, prefix-cache queries and hits) are read from ``engine.statistics()``
+when ``/metrics`` is scraped. Every series is labelled ``model_name`` and ``engine``
+("0": one engine per server), as vLLM labels them. Metrics vLLM does not have carry a
+``triollm:`` prefix. Each server has its own registry, so several can live in one
 process (tests do).
 """
 
@@ -23,111 +27,189 @@ from prometheus_client.registry import Collector
 from triollm.engine.async_engine import AsyncLLMEngine
 from triollm.engine.stats import IterationStats
 
-__all__ = ["CONTENT_TYPE", "PrometheusStatLogger"]
+__all__ = ["CONTENT_TYPE", "FINISH_REASONS", "PrometheusStatLogger", "request_token_buckets"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 disable_created_metrics()  # as vLLM: no *_created series next to every counter
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+#: vLLM's bucket families (vllm/v1/metrics/buckets.py).
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+                               640.0, 2560.0)
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+#: vLLM's finish reasons: each ``vllm:request_success`` series exists from the start
+#: ("error": a request whose own part of a step failed).
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
-class _EngineGauges(Collector):
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+def request_token_buckets(max_model_len: int) -> list[float]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class _EngineState(Collector):
+    """What ``engine.statistics()`` says at scrape time: gauges, and running totals."""
+
+    def __init__(self, engine: AsyncLLMEngine, labels: list[str]) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.labels = labels
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.engine.statistics()
         used = stats.num_total_blocks - stats.num_free_blocks
         for name, documentation, value in (
-            ("num_requests_running", "Requests in model execution batches.", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be processed.", stats.num_waiting),
-            ("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.",
+            ("num_requests_running", "Number of requests in model execution batches.",
+             stats.num_running),
+            ("num_requests_waiting", "Number of requests waiting to be processed.",
+             stats.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
              used / stats.num_total_blocks if stats.num_total_blocks else 0.0),
-            ("num_preemptions", "Preemptions since start.", stats.num_preemptions),
         ):
-            family = GaugeMetricFamily(f"triollm:{name}", documentation,
-                                       labels=["model_name"])
-            family.add_metric([self.model_name], float(value))
-            yield family
+            gauge = GaugeMetricFamily(f"vllm:{name}", documentation,
+                                      labels=["model_name", "engine"])
+            gauge.add_metric(self.labels, float(value))
+            yield gauge
         for name, documentation, count in (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            ("num_preemptions", "Cumulative number of preemption from the engine.",
+             stats.num_preemptions),
+            ("prefix_cache_queries",
+             "Prefix cache queries, in terms of number of queried tokens.",
              stats.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             stats.prefix_cache_hits),
+            ("prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
              stats.prefix_cache_hits),
         ):
-            counter = CounterMetricFamily(f"triollm:{name}", documentation,
-                                          labels=["model_name"])
-            counter.add_metric([self.model_name], float(count))
+            counter = CounterMetricFamily(f"vllm:{name}", documentation,
+                                          labels=["model_name", "engine"])
+            counter.add_metric(self.labels, float(count))
             yield counter
 
 
 class PrometheusStatLogger:
     """The engine's ``StatLogger`` for ``/metrics``."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineGauges(engine, model_name))
-        labels = ["model_name"]
+    def __init__(self, engine: AsyncLLMEngine, model_name: str,
+                 max_model_len: int | None = None) -> None:
         self.model_name = model_name
-        registry = self.registry
-        self.prompt_tokens = Counter("triollm:prompt_tokens", "Prefill tokens processed.",
-                                     labels, registry=registry).labels(model_name)
-        self.generation_tokens = Counter("triollm:generation_tokens",
-                                         "Generation tokens processed.", labels,
-                                         registry=registry).labels(model_name)
-        self.request_success = Counter("triollm:request_success",
-                                       "Finished requests, by finish reason.",
-                                       [*labels, "finished_reason"], registry=registry)
-        for reason in ("stop", "length", "abort"):  # every series exists from the start
-            self.request_success.labels(model_name, reason)
-        self.request_slo = Counter("triollm:request_slo",
-                                   "Finished requests that had a latency target (slo or "
-                                   "ttft_slo), by whether they met it.",
-                                   [*labels, "outcome"], registry=registry)
-        for outcome in ("attained", "missed"):
-            self.request_slo.labels(model_name, outcome)
-        self.time_to_first_token = Histogram(
-            "triollm:time_to_first_token_seconds", "Time to first token.", labels,
-            buckets=_TTFT_BUCKETS, registry=registry).labels(model_name)
-        self.inter_token_latency = Histogram(
-            "triollm:inter_token_latency_seconds", "Time between output tokens.", labels,
-            buckets=_ITL_BUCKETS, registry=registry).labels(model_name)
-        self.e2e_latency = Histogram(
-            "triollm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
-            buckets=_E2E_BUCKETS, registry=registry).labels(model_name)
-        self.prompt_tokens_per_request = Histogram(
-            "triollm:request_prompt_tokens", "Prompt tokens per finished request.", labels,
-            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
-            registry=registry).labels(model_name)
-        self.generation_tokens_per_request = Histogram(
-            "triollm:request_generation_tokens", "Generated tokens per finished request.",
-            labels, buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000),
-            registry=registry).labels(model_name)
+        labels = [model_name, "0"]
+        names = ["model_name", "engine"]
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        registry.register(_EngineState(engine, labels))
+
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, names, registry=registry).labels(*labels)
+
+        def histogram(name: str, documentation: str,
+                      buckets: tuple[float, ...] | list[float]) -> Histogram:
+            return Histogram(name, documentation, names, buckets=buckets,
+                             registry=registry).labels(*labels)
+
+        token_buckets = request_token_buckets(max_model_len
+                                              or engine.config.model.max_model_len)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*names, "finished_reason"], registry=registry)
+        self.request_success = {reason: success.labels(*labels, reason)
+                                for reason in FINISH_REASONS}
+        self.prompt_tokens_per_request = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.generation_tokens_per_request = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            token_buckets)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS)
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets)
+        self.params_n = histogram("vllm:request_params_n",
+                                  "Histogram of the n request parameter.",
+                                  REQUEST_PARAMS_N_BUCKETS)
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.",
+                                           token_buckets)
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            TIME_TO_FIRST_TOKEN_BUCKETS)
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            INTER_TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            INTER_TOKEN_LATENCY_BUCKETS)
+        self.e2e_latency = histogram("vllm:e2e_request_latency_seconds",
+                                     "Histogram of e2e request latency in seconds.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.num_preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        # triollm's own: requests with a latency target, by whether they met it.
+        slo = Counter("triollm:request_slo", "Finished requests that had a latency target "
+                      "(slo or ttft_slo), by whether they met it.", [*names, "outcome"],
+                      registry=registry)
+        self.request_slo = {outcome: slo.labels(*labels, outcome)
+                            for outcome in ("attained", "missed")}
 
     def record(self, stats: IterationStats) -> None:
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
             self.generation_tokens.inc(stats.num_generation_tokens)
+        for tokens in stats.iteration_tokens:
+            self.iteration_tokens.observe(tokens)
         for value in stats.time_to_first_token:
             self.time_to_first_token.observe(value)
         for value in stats.inter_token_latency:
             self.inter_token_latency.observe(value)
         for finished in stats.finished:
-            self.request_success.labels(self.model_name, finished.finish_reason).inc()
+            self.request_success[finished.finish_reason].inc()
             self.e2e_latency.observe(finished.e2e_latency)
+            self.queue_time.observe(finished.queued_time)
+            self.prefill_time.observe(finished.prefill_time)
+            self.inference_time.observe(finished.inference_time)
+            self.decode_time.observe(finished.decode_time)
+            self.num_preemptions.observe(finished.num_preemptions)
             self.prompt_tokens_per_request.observe(finished.num_prompt_tokens)
             self.generation_tokens_per_request.observe(finished.num_generation_tokens)
+            self.time_per_output_token.observe(finished.mean_time_per_output_token)
+            if finished.max_tokens_param:
+                self.params_max_tokens.observe(finished.max_tokens_param)
             if finished.slo_attained is not None:
-                outcome = "attained" if finished.slo_attained else "missed"
-                self.request_slo.labels(self.model_name, outcome).inc()
+                self.request_slo["attained" if finished.slo_attained else "missed"].inc()
+        for request in stats.finished_requests:
+            self.max_generation_tokens.observe(request.max_num_generation_tokens)
+            self.params_n.observe(request.n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from triollm.server.errors import error_json
+from triollm.server.errors import error_json, request_id_of
 from triollm.server.state import ServerState
 
 __all__ = ["OPEN_PATHS", "ASGIApp", "Message", "Receive", "RequestLifetime", "Scope", "Send",
@@ -112,10 +112,8 @@ class RequestLifetime:
         except Exception as error:
             if started:
                 return  # the app's own 500 handler answered and logged it (errors.py)
-            headers = dict(scope.get("headers") or [])
-            request_id = headers.get(b"x-request-id", b"").decode("latin-1") or "-"
-            logger.error("%s %s (X-Request-Id %s) failed", scope.get("method"),
-                         scope.get("path"), request_id, exc_info=error)
+            logger.error("%s %s (request id %s) failed", scope.get("method"),
+                         scope.get("path"), request_id_of(scope), exc_info=error)
             await send_json(send, 500, error_json(
                 500, f"Internal server error: {type(error).__name__}", "InternalServerError"))
 

@@ -87,7 +87,8 @@ class ServerOptions:
     #: Serve /docs, /redoc and /openapi.json (vLLM's --disable-fastapi-docs turns off).
     api_docs: bool = True
     handle_signals: bool = True
-    #: Seconds between engine statistics log lines (vLLM: 10); None turns them off.
+    #: Seconds between engine statistics log lines (vLLM: 10); None turns them off. An
+    #: engine made with ``disable_log_stats`` logs none and feeds no metrics.
     log_stats_interval: float | None = 10.0
     #: The server may end its process: on a second stop signal, or when connections are
     #: still stuck after the shutdown (``triollm serve``; never for an embedded server).
@@ -120,8 +121,10 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
     """Load the model, serve until shut down, then stop everything; reports a
     ``ServerHandle`` once listening. Must run under trio (hypercorn's trio worker)."""
     names = options.served_model_names or (engine.config.model.model,)
-    metrics = PrometheusStatLogger(engine, names[0])
-    engine.add_stat_logger(metrics)
+    metrics = None
+    if engine.log_stats:  # as vLLM: --disable-log-stats turns off the metrics too
+        metrics = PrometheusStatLogger(engine, names[0])
+        engine.add_stat_logger(metrics)
     keys = options.api_key
     state = ServerState(engine, ServerSettings(
         served_model_names=tuple(names),
@@ -164,7 +167,7 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
             root.start_soon(_watch_signals, handle, options.owns_process)
         root.start_soon(_shutdown_when_asked, handle, state, stop_serving, engine_scope,
                         root.cancel_scope, options)
-        if options.log_stats_interval is not None:
+        if options.log_stats_interval is not None and engine.log_stats:
             root.start_soon(_log_stats, engine, options.log_stats_interval)
         logger.info("triollm serving %s at %s", ", ".join(names), ", ".join(handle.urls))
         task_status.started(handle)

@@ -77,7 +77,8 @@ class ServerState:
 
     engine: AsyncLLMEngine
     settings: ServerSettings
-    metrics: PrometheusStatLogger
+    #: None when the engine does not log stats (``--disable-log-stats``).
+    metrics: PrometheusStatLogger | None
     shutting_down: bool = False
     open_requests: int = 0
     idle: anyio.Event = field(default_factory=anyio.Event)

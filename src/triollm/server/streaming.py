@@ -9,7 +9,7 @@ event, and always closes the engine streams (aborting what is unfinished).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -118,14 +118,15 @@ class NullDelimitedStream(Response):
 async def respond(state: ServerState, prompts: Sequence[PromptType], params: SamplingParams,
                   request_id: str, body: CompletionRequest | ChatCompletionRequest,
                   stream: Callable[[list[Submitted], list[EngineStream]], StreamWriter],
-                  build: Callable[[list[RequestOutput]], Response]) -> Response:
+                  build: Callable[[list[RequestOutput]], Response],
+                  trace: Mapping[str, str] | None = None) -> Response:
     """A generation request's response: every prompt submitted (bad input is a 400 before
     anything is sent), then either a stream of events written by ``stream`` or, once
     every prompt has finished, one reply made by ``build``. The engine streams are
     closed whatever happens (what is unfinished is aborted)."""
     opened: list[EngineStream] = []
     try:
-        submitted = await submit(state, prompts, params, request_id, body, opened)
+        submitted = await submit(state, prompts, params, request_id, body, opened, trace)
         if body.stream:
             return EventStream(stream(submitted, opened))
         finals = await final_outputs(submitted)

@@ -24,6 +24,7 @@ from triollm.server.generation import (
     Submitted,
     outputs,
     request_id_for,
+    trace_headers,
 )
 from triollm.server.protocol import (
     ChatChoice,
@@ -84,7 +85,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                               as_token_ids, echoed)
 
     return await respond(state, [{"prompt_token_ids": token_ids}], params, request_id, body,
-                         stream, build)
+                         stream, build, trace_headers(request))
 
 
 def _echoed_text(body: ChatCompletionRequest) -> str:

@@ -26,6 +26,7 @@ from triollm.server.generation import (
     Submitted,
     outputs,
     request_id_for,
+    trace_headers,
 )
 from triollm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from triollm.server.state import ServerState, server_state
@@ -83,7 +84,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         return _stream_writer(state, body, submitted, opened, request_id, created, model,
                               as_token_ids)
 
-    return await respond(state, prompts, params, request_id, body, stream, build)
+    return await respond(state, prompts, params, request_id, body, stream, build,
+                         trace_headers(request))
 
 
 def _prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:

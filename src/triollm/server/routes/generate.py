@@ -8,13 +8,19 @@ from fastapi.responses import JSONResponse, Response
 
 from triollm.errors import EngineClosedError
 from triollm.sampling_params import SamplingParams
-from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
+from triollm.server.errors import (
+    OpenAIError,
+    bad_request,
+    engine_unavailable,
+    remember_request_id,
+)
 from triollm.server.generation import (
     check_limits,
     close_all,
     engine_request_id,
     first_output,
     tokenized,
+    trace_headers,
 )
 from triollm.server.limits import MAX_N
 from triollm.server.protocol import GenerateRequest, random_id
@@ -46,8 +52,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         raise OpenAIError(400, f"n: at most {MAX_N}, got {params.n}", param="n")
     prompt = tokenized(state, body.prompt, None)
     check_limits(state, prompt, params)
-    stream = state.engine.generate(prompt, params,
-                                   engine_request_id(random_id("generate")))
+    request_id = remember_request_id(request, random_id("generate"))
+    stream = state.engine.generate(prompt, params, engine_request_id(request_id),
+                                   trace_headers=trace_headers(request))
     try:
         first = await first_output(stream)
         if body.stream:

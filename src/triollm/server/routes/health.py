@@ -39,7 +39,9 @@ async def version() -> dict[str, str]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    metrics = server_state(request).metrics
+    return Response(metrics.render() if metrics is not None else b"",
+                    media_type=CONTENT_TYPE)
 
 
 @router.post("/reset_prefix_cache")

@@ -10,7 +10,7 @@ engine stream aborts what has not finished.
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -28,8 +28,9 @@ from triollm.server.errors import (
     OpenAIError,
     bad_request,
     engine_unavailable,
+    remember_request_id,
 )
-from triollm.server.generation import engine_request_id, for_each_prompt
+from triollm.server.generation import engine_request_id, for_each_prompt, trace_headers
 from triollm.server.pooling_protocol import (
     ClassificationData,
     ClassificationRequest,
@@ -120,7 +121,8 @@ def _prompts(state: ServerState, body: _InputRequest) -> list[PromptType]:
 
 
 async def _encode_all(state: ServerState, prompts: Sequence[PromptType],
-                      params: PoolingParams, request_id: str, priority: int) -> list[Pooled]:
+                      params: PoolingParams, request_id: str, priority: int,
+                      trace: Mapping[str, str] | None) -> list[Pooled]:
     """Every prompt into the engine at once; their outputs in prompt order."""
     if state.shutting_down:
         raise engine_unavailable(EngineClosedError("shutting down"))
@@ -131,7 +133,8 @@ async def _encode_all(state: ServerState, prompts: Sequence[PromptType],
         engine_id = base if len(prompts) == 1 else f"{base}-{index}"
         try:
             async with aclosing(state.engine.encode(prompts[index], params, engine_id,
-                                                    priority=priority)) as stream:
+                                                    priority=priority,
+                                                    trace_headers=trace)) as stream:
                 async for output in stream:
                     results[index] = output
         except ValueError as error:
@@ -167,7 +170,8 @@ def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
 
 
 def _request_id(request: Request, body: _PoolingFields, prefix: str) -> str:
-    return body.request_id or request.headers.get("x-request-id") or random_id(prefix)
+    return remember_request_id(request, body.request_id
+                               or request.headers.get("x-request-id") or random_id(prefix))
 
 
 # -- routes ---------------------------------------------------------------------------------
@@ -181,7 +185,8 @@ async def _vectors(body: EmbeddingRequest, request: Request, route: str,
     params = _params(body, dimensions=body.dimensions, normalize=body.normalize, task=task)
     request_id = _request_id(request, body, prefix)
     return model, request_id, await _encode_all(state, _prompts(state, body), params,
-                                                request_id, body.priority)
+                                                request_id, body.priority,
+                                                trace_headers(request))
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse)
@@ -210,7 +215,7 @@ async def classify(body: ClassificationRequest, request: Request) -> JSONRespons
     labels = state.require_pooling("/classify").labels
     request_id = _request_id(request, body, "classify")
     outputs = await _encode_all(state, _prompts(state, body), _params(body), request_id,
-                                body.priority)
+                                body.priority, trace_headers(request))
     data = []
     for index, output in enumerate(outputs):
         probs = [float(p) for p in output.outputs.data.tolist()]
@@ -222,7 +227,8 @@ async def classify(body: ClassificationRequest, request: Request) -> JSONRespons
 
 
 async def _scores(state: ServerState, body: _PoolingFields, pairs: list[tuple[str, str]],
-                  request_id: str) -> tuple[list[float], PoolingUsage]:
+                  request_id: str, trace: Mapping[str, str] | None
+                  ) -> tuple[list[float], PoolingUsage]:
     """Each pair's score: a cross-encoder reads the pair as one prompt; an embedding
     model compares the two embeddings."""
     pooler = state.require_pooling("score")
@@ -233,7 +239,8 @@ async def _scores(state: ServerState, body: _PoolingFields, pairs: list[tuple[st
                             truncate_prompt_tokens=body.truncate_prompt_tokens)
     except ValueError as error:
         raise bad_request(error) from error
-    outputs = await _encode_all(state, plan.prompts, params, request_id, body.priority)
+    outputs = await _encode_all(state, plan.prompts, params, request_id, body.priority,
+                                trace)
     return plan.scores([output.outputs.data for output in outputs]), _usage(outputs)
 
 
@@ -263,7 +270,7 @@ async def score(body: ScoreRequest, request: Request) -> JSONResponse:
     except ValueError as error:
         raise bad_request(error) from error
     request_id = _request_id(request, body, "score")
-    scores, usage = await _scores(state, body, pairs, request_id)
+    scores, usage = await _scores(state, body, pairs, request_id, trace_headers(request))
     data = [ScoreData(index=i, score=value) for i, value in enumerate(scores)]
     return JSONResponse(ScoreResponse(id=request_id, model=model, data=data,
                                       usage=usage).model_dump())
@@ -283,7 +290,7 @@ async def rerank(body: RerankRequest, request: Request) -> JSONResponse:
     except ValueError as error:
         raise bad_request(error) from error
     request_id = _request_id(request, body, "rerank")
-    scores, usage = await _scores(state, body, pairs, request_id)
+    scores, usage = await _scores(state, body, pairs, request_id, trace_headers(request))
     order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
     if body.top_n:  # None or 0: every document, as vLLM does
         order = order[: body.top_n]

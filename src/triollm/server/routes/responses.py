@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
 from triollm.outputs import RequestOutput
-from triollm.server.errors import OpenAIError, bad_request
-from triollm.server.generation import EngineStream, Submitted, outputs
+from triollm.server.errors import OpenAIError, bad_request, remember_request_id
+from triollm.server.generation import EngineStream, Submitted, outputs, trace_headers
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CheckedRequest, random_id
 from triollm.server.state import ChatRendering, server_state
 from triollm.server.streaming import Emit, StreamWriter, respond, run_stream
@@ -107,7 +107,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
                                       defaults=state.engine.config.model.generation_defaults)
     except ValueError as error:
         raise bad_request(error) from error
-    response_id = random_id("resp")
+    response_id = remember_request_id(request, random_id("resp"))
     message_id = random_id("msg")
     created = int(time.time())
 
@@ -193,4 +193,4 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         return write
 
     return await respond(state, [{"prompt_token_ids": token_ids}], params, response_id, chat,
-                         stream, build)
+                         stream, build, trace_headers(request))
