@@ -286,6 +286,23 @@ def value(values: dict[tuple[str, str], float], name: str, **labels: str) -> flo
     return found[0]
 
 
+#: Every series vLLM's Grafana dashboard queries
+#: (examples/observability/prometheus_grafana/grafana.json), each by model_name.
+DASHBOARD_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:kv_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+)
+
+
 def test_metrics_after_a_known_workload_carry_vllms_names_types_and_values(
         llama_path: Path) -> None:
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
@@ -332,6 +349,9 @@ def test_metrics_after_a_known_workload_carry_vllms_names_types_and_values(
         "vllm:request_num_preemptions")}
     for name, kind in expected_types.items():
         assert types.get(name) == kind, (name, types.get(name))
+    for series in DASHBOARD_SERIES:
+        assert any(name == series and f'model_name="{MODEL}"' in labels
+                   for name, labels in values), series
 
     assert value(values, "vllm:num_requests_running") == 0
     assert value(values, "vllm:num_requests_waiting") == 0

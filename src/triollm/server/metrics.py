@@ -49,6 +49,56 @@ REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
+#: vLLM's histograms: (name, help, buckets; None: the token-count buckets), keyed by the
+#: ``IterationStats`` field each observes.
+_HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...] | None]] = {
+    "time_to_first_token": ("vllm:time_to_first_token_seconds",
+                            "Histogram of time to first token in seconds.",
+                            TIME_TO_FIRST_TOKEN_BUCKETS),
+    "inter_token_latency": ("vllm:inter_token_latency_seconds",
+                            "Histogram of inter-token latency in seconds.",
+                            INTER_TOKEN_LATENCY_BUCKETS),
+    "mean_time_per_output_token": ("vllm:request_time_per_output_token_seconds",
+                                   "Histogram of time_per_output_token_seconds per request.",
+                                   INTER_TOKEN_LATENCY_BUCKETS),
+    "e2e_latency": ("vllm:e2e_request_latency_seconds",
+                    "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    "queued_time": ("vllm:request_queue_time_seconds",
+                    "Histogram of time spent in WAITING phase for request.",
+                    REQUEST_LATENCY_BUCKETS),
+    "inference_time": ("vllm:request_inference_time_seconds",
+                       "Histogram of time spent in RUNNING phase for request.",
+                       REQUEST_LATENCY_BUCKETS),
+    "prefill_time": ("vllm:request_prefill_time_seconds",
+                     "Histogram of time spent in PREFILL phase for request.",
+                     REQUEST_LATENCY_BUCKETS),
+    "decode_time": ("vllm:request_decode_time_seconds",
+                    "Histogram of time spent in DECODE phase for request.",
+                    REQUEST_LATENCY_BUCKETS),
+    "num_preemptions": ("vllm:request_num_preemptions",
+                        "Histogram of the number of times a request was preempted.",
+                        REQUEST_NUM_PREEMPTIONS_BUCKETS),
+    "num_prompt_tokens": ("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                          None),
+    "num_generation_tokens": ("vllm:request_generation_tokens",
+                              "Number of generation tokens processed.", None),
+    "max_tokens_param": ("vllm:request_params_max_tokens",
+                         "Histogram of the max_tokens request parameter.", None),
+    "iteration_tokens": ("vllm:iteration_tokens_total",
+                         "Histogram of number of tokens per engine_step.",
+                         ITERATION_TOKENS_BUCKETS),
+    "max_num_generation_tokens": ("vllm:request_max_num_generation_tokens",
+                                  "Histogram of maximum number of requested generation "
+                                  "tokens.", None),
+    "n": ("vllm:request_params_n", "Histogram of the n request parameter.",
+          REQUEST_PARAMS_N_BUCKETS),
+}
+#: The ``FinishedRequestStats`` fields observed for every finished sequence.
+_PER_SEQUENCE = ("e2e_latency", "queued_time", "prefill_time", "inference_time",
+                 "decode_time", "num_preemptions", "num_prompt_tokens",
+                 "num_generation_tokens", "mean_time_per_output_token")
+
+
 def request_token_buckets(max_model_len: int) -> list[float]:
     """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``."""
     buckets: list[float] = []
@@ -114,13 +164,6 @@ class PrometheusStatLogger:
         def counter(name: str, documentation: str) -> Counter:
             return Counter(name, documentation, names, registry=registry).labels(*labels)
 
-        def histogram(name: str, documentation: str,
-                      buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(name, documentation, names, buckets=buckets,
-                             registry=registry).labels(*labels)
-
-        token_buckets = request_token_buckets(max_model_len
-                                              or engine.config.model.max_model_len)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
@@ -128,52 +171,13 @@ class PrometheusStatLogger:
                           [*names, "finished_reason"], registry=registry)
         self.request_success = {reason: success.labels(*labels, reason)
                                 for reason in FINISH_REASONS}
-        self.prompt_tokens_per_request = histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
-        self.generation_tokens_per_request = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.",
-            token_buckets)
-        self.iteration_tokens = histogram(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-            ITERATION_TOKENS_BUCKETS)
-        self.max_generation_tokens = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.", token_buckets)
-        self.params_n = histogram("vllm:request_params_n",
-                                  "Histogram of the n request parameter.",
-                                  REQUEST_PARAMS_N_BUCKETS)
-        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
-                                           "Histogram of the max_tokens request parameter.",
-                                           token_buckets)
-        self.time_to_first_token = histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            TIME_TO_FIRST_TOKEN_BUCKETS)
-        self.inter_token_latency = histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            INTER_TOKEN_LATENCY_BUCKETS)
-        self.time_per_output_token = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.",
-            INTER_TOKEN_LATENCY_BUCKETS)
-        self.e2e_latency = histogram("vllm:e2e_request_latency_seconds",
-                                     "Histogram of e2e request latency in seconds.",
-                                     REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.",
-                                    REQUEST_LATENCY_BUCKETS)
-        self.inference_time = histogram(
-            "vllm:request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.",
-                                      REQUEST_LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.",
-                                     REQUEST_LATENCY_BUCKETS)
-        self.num_preemptions = histogram(
-            "vllm:request_num_preemptions",
-            "Histogram of the number of times a request was preempted.",
-            REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        token_buckets = tuple(request_token_buckets(max_model_len
+                                                    or engine.config.model.max_model_len))
+        self.histograms = {
+            key: Histogram(name, documentation, names, registry=registry,
+                           buckets=token_buckets if buckets is None else buckets
+                           ).labels(*labels)
+            for key, (name, documentation, buckets) in _HISTOGRAMS.items()}
         # triollm's own: requests with a latency target, by whether they met it.
         slo = Counter("triollm:request_slo", "Finished requests that had a latency target "
                       "(slo or ttft_slo), by whether they met it.", [*names, "outcome"],
@@ -186,30 +190,24 @@ class PrometheusStatLogger:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
             self.generation_tokens.inc(stats.num_generation_tokens)
+        histograms = self.histograms
         for tokens in stats.iteration_tokens:
-            self.iteration_tokens.observe(tokens)
+            histograms["iteration_tokens"].observe(tokens)
         for value in stats.time_to_first_token:
-            self.time_to_first_token.observe(value)
+            histograms["time_to_first_token"].observe(value)
         for value in stats.inter_token_latency:
-            self.inter_token_latency.observe(value)
+            histograms["inter_token_latency"].observe(value)
         for finished in stats.finished:
             self.request_success[finished.finish_reason].inc()
-            self.e2e_latency.observe(finished.e2e_latency)
-            self.queue_time.observe(finished.queued_time)
-            self.prefill_time.observe(finished.prefill_time)
-            self.inference_time.observe(finished.inference_time)
-            self.decode_time.observe(finished.decode_time)
-            self.num_preemptions.observe(finished.num_preemptions)
-            self.prompt_tokens_per_request.observe(finished.num_prompt_tokens)
-            self.generation_tokens_per_request.observe(finished.num_generation_tokens)
-            self.time_per_output_token.observe(finished.mean_time_per_output_token)
+            for key in _PER_SEQUENCE:
+                histograms[key].observe(getattr(finished, key))
             if finished.max_tokens_param:
-                self.params_max_tokens.observe(finished.max_tokens_param)
+                histograms["max_tokens_param"].observe(finished.max_tokens_param)
             if finished.slo_attained is not None:
                 self.request_slo["attained" if finished.slo_attained else "missed"].inc()
         for request in stats.finished_requests:
-            self.max_generation_tokens.observe(request.max_num_generation_tokens)
-            self.params_n.observe(request.n)
+            histograms["max_num_generation_tokens"].observe(request.max_num_generation_tokens)
+            histograms["n"].observe(request.n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
