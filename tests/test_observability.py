@@ -220,6 +220,35 @@ def test_offline_llm_sends_a_span_per_request(llama_path: Path, monkeypatch: pyt
     del llm  # its tracer is shut down when it is collected
 
 
+def test_an_embedding_request_has_its_span_too(pooling_models: dict[str, Path],
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               http_receiver: Receiver) -> None:
+    import trio
+
+    from triollm import PoolingParams
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+        model=str(pooling_models["bert"]), served_model_name=MODEL, dtype="float32",
+        otlp_traces_endpoint=http_receiver.endpoint))
+
+    async def main() -> int:
+        async with engine:
+            [output] = [o async for o in engine.encode(
+                "an embedded sentence", PoolingParams(), "embed-1",
+                trace_headers={"Traceparent": TRACEPARENT})]
+            return len(output.prompt_token_ids)
+
+    prompt_tokens = trio.run(main)
+    [span] = http_receiver.wait_for(1)
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_SPAN_ID
+    found = attributes(span.attributes)
+    assert found["gen_ai.request.id"] == "embed-1"
+    assert found["gen_ai.usage.prompt_tokens"] == prompt_tokens
+    assert found["gen_ai.usage.completion_tokens"] == 0
+    assert "gen_ai.request.temperature" not in found  # no sampling parameters
+
+
 def test_a_dead_collector_costs_one_log_line_and_never_holds_up_a_request(
         llama_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
