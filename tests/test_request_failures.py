@@ -18,6 +18,7 @@ from triollm import (
     RequestOutputKind,
     SamplingParams,
 )
+from triollm.engine.stats import IterationStats
 from triollm.model import torch_runner
 from triollm.model.loader import build_demo_tokenizer
 from triollm.testing import FakeModelRunner, fake_completion
@@ -68,13 +69,22 @@ async def test_a_runner_failure_of_one_request_fails_it_alone() -> None:
         item.request_id.startswith("bad-") and item.start_position >= 6))
     args = AsyncEngineArgs(max_model_len=64, num_gpu_blocks_override=256,
                            disable_log_requests=True)
-    async with AsyncLLMEngine.from_engine_args(args, runner_factory=lambda: runner) as engine:
+    reasons: list[str] = []
+
+    class FinishReasons:
+        def record(self, stats: IterationStats) -> None:
+            reasons.extend(finished.finish_reason for finished in stats.finished)
+
+    async with AsyncLLMEngine.from_engine_args(args, runner_factory=lambda: runner,
+                                               stat_loggers=[FinishReasons()]) as engine:
         failure, tokens = await run_two(
             engine, {"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]},
             params(detokenize=False), params(detokenize=False))
         assert isinstance(failure, RequestFailedError) and "'bad' failed" in str(failure)
         assert tokens == fake_completion([8, 9], 12, VOCAB)
         assert_idle_and_alive(engine)
+        # Counted as vLLM counts them: the failed request under "error", not "abort".
+        assert sorted(reasons) == ["error", "length"]
         again = [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7]},
                                                   params(3, detokenize=False), "later")]
         assert again[-1].finished
