@@ -5,6 +5,7 @@ request logs."""
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import re
 import threading
@@ -157,7 +158,9 @@ def test_a_request_span_is_a_child_of_the_callers_trace_with_vllms_attributes(
         client.completions.create(model=MODEL, prompt="no caller trace", max_tokens=2)
         [traced, untraced] = sorted(receiver.wait_for(2), key=lambda s: s.start_time_unix_nano)
         assert anyio_run_is_tracing(server)
+        assert export_threads()
     ended = time.time()
+    assert not export_threads()  # the engine's run owned the export thread and stopped it
 
     assert traced.name == "llm_request" and traced.kind == trace_pb2.Span.SPAN_KIND_SERVER
     assert traced.trace_id.hex() == TRACE_ID
@@ -195,6 +198,10 @@ def test_a_request_span_is_a_child_of_the_callers_trace_with_vllms_attributes(
     assert receiver.resources[0]["service.name"] == "triollm"
 
 
+def export_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("OtelBatch")]
+
+
 def anyio_run_is_tracing(server: ThreadedServer) -> bool:
     import trio
 
@@ -217,7 +224,10 @@ def test_offline_llm_sends_a_span_per_request(llama_path: Path, monkeypatch: pyt
         assert found["gen_ai.request.n"] == 2
         assert found["gen_ai.usage.completion_tokens"] == 6
         assert found["gen_ai.usage.prompt_tokens"] == len(output.prompt_token_ids)
+    assert export_threads()
     del llm  # its tracer is shut down when it is collected
+    gc.collect()
+    assert not export_threads()
 
 
 def test_an_embedding_request_has_its_span_too(pooling_models: dict[str, Path],
