@@ -287,7 +287,8 @@ def test_a_dead_collector_costs_one_log_line_and_never_holds_up_a_request(
     assert not [r for r in warnings if r.name.startswith("opentelemetry")]
 
 
-def test_tracing_arguments_are_checked_by_name(llama_path: Path) -> None:
+def test_tracing_arguments_are_checked_by_name(llama_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="collect_detailed_traces: needs otlp_traces_endpoint"):
         EngineArgs(model=str(llama_path), collect_detailed_traces="all").create_engine_config()
     with pytest.raises(ValueError, match="collect_detailed_traces: expected model, worker or all"):
@@ -296,6 +297,10 @@ def test_tracing_arguments_are_checked_by_name(llama_path: Path) -> None:
     config = EngineArgs(model=str(llama_path), otlp_traces_endpoint="http://c:4318",
                         collect_detailed_traces=["worker"]).create_engine_config()
     assert config.observability.collect_detailed_traces == ("worker",)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: expected grpc"):
+        EngineArgs(model=str(llama_path),
+                   otlp_traces_endpoint="http://c:4318").create_engine_config()
 
 
 # -- metrics ------------------------------------------------------------------------------

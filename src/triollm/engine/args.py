@@ -329,11 +329,12 @@ class EngineArgs:
         if endpoint is not None:
             if not isinstance(endpoint, str) or not endpoint.strip():
                 raise _fail("otlp_traces_endpoint", f"must be a URL, got {endpoint!r}")
-            from triollm.engine.tracing import tracing_unavailable_reason
+            from triollm.engine.tracing import exporter_protocol, tracing_unavailable_reason
 
             reason = tracing_unavailable_reason()
             if reason is not None:
                 raise _fail("otlp_traces_endpoint", reason)
+            exporter_protocol()  # a ValueError naming the variable, before anything starts
         modules = ("model", "worker") if "all" in names else tuple(dict.fromkeys(names))
         return ObservabilityConfig(otlp_traces_endpoint=endpoint,
                                    collect_detailed_traces=modules)

@@ -119,21 +119,29 @@ def span_attributes(finished: FinishedParentStats) -> dict[str, Any]:
     return {name: value for name, value in values.items() if value is not None}
 
 
-def _span_exporter(endpoint: str) -> SpanExporter:
+def exporter_protocol() -> str:
+    """The OTLP protocol ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` asks for (default grpc);
+    ``ValueError`` naming the variable for any other value."""
     protocol = os.environ.get(PROTOCOL_VARIABLE, DEFAULT_PROTOCOL).strip()
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ValueError(f"{PROTOCOL_VARIABLE}: expected grpc or http/protobuf, got "
+                         f"{protocol!r}")
+    return protocol
+
+
+def _span_exporter(endpoint: str) -> SpanExporter:
+    protocol = exporter_protocol()
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
             OTLPSpanExporter as GrpcExporter,
         )
 
         return GrpcExporter(endpoint=endpoint, insecure=True)
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-            OTLPSpanExporter as HttpExporter,
-        )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
 
-        return HttpExporter(endpoint=endpoint)
-    raise ValueError(f"{PROTOCOL_VARIABLE}: expected grpc or http/protobuf, got {protocol!r}")
+    return HttpExporter(endpoint=endpoint)
 
 
 #: The OTLP exporters' loggers: one message per retry and per failed batch.
