@@ -108,9 +108,13 @@ def emit_cost(endpoint: str) -> float:
     tracer = RequestTracer(endpoint)
     now = time.time()
     finished = FinishedParentStats(
-        "req-1", "model", {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-"
-                                          "00f067aa0ba902b7-01"},
-        now - 1, now, now - 0.9, now - 0.8, now, 50, 30, 30, ("stop",), 1, 30, 0.7, 0.9)
+        request_id="req-1", model_name="model",
+        trace_headers={"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-"
+                                      "00f067aa0ba902b7-01"},
+        arrival_time=now - 1, finished_time=now, first_scheduled_time=now - 0.9,
+        first_token_time=now - 0.8, last_token_time=now, num_prompt_tokens=50,
+        num_generation_tokens=30, max_num_generation_tokens=30, max_tokens=30,
+        temperature=0.7, top_p=0.9)
     samples = []
     for _ in range(5):
         started = time.perf_counter()

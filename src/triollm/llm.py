@@ -245,6 +245,11 @@ class LLM:
             for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
+    def _trace_finished(self) -> None:
+        """Queue the spans of the requests finished since the last call (with tracing)."""
+        if self._tracer is not None:
+            self._tracer.record(self.engine.take_stats())
+
     def _run(self, prompts: list[PromptType],
              params_list: Sequence[SamplingParams | PoolingParams],
              priorities: list[int], use_tqdm: bool,
@@ -273,8 +278,7 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 outputs = engine.step()
-                if self._tracer is not None:
-                    self._tracer.record(engine.take_stats())
+                self._trace_finished()
                 for failure in engine.take_failures():
                     raise RequestFailedError(f"request {failure.request_id!r} failed: "
                                              f"{failure.error}")
@@ -289,10 +293,9 @@ class LLM:
                         bar.set_postfix_str(f"{generated / elapsed:.1f} toks/s")
         except BaseException:
             engine.abort_requests(ids)
-            if self._tracer is not None:
-                self._tracer.record(engine.take_stats())
             raise
         finally:
+            self._trace_finished()  # the aborted ones too
             bar.close()
         return [results[request_id] for request_id in ids]
 

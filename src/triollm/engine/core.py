@@ -535,7 +535,6 @@ class EngineCore:
             num_prompt_tokens=len(parent.prompt_token_ids),
             num_generation_tokens=sum(child.num_output_tokens for child in children),
             max_num_generation_tokens=max(child.num_output_tokens for child in children),
-            finish_reasons=tuple(child.finish_reason or "abort" for child in children),
             n=len(children),
             max_tokens=None if params is None else params.max_tokens,
             temperature=None if params is None else params.temperature,

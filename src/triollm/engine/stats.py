@@ -62,7 +62,6 @@ class FinishedParentStats:
     #: Tokens generated over all sequences, and the most any one sequence generated.
     num_generation_tokens: int
     max_num_generation_tokens: int
-    finish_reasons: tuple[str, ...]
     n: int = 1
     max_tokens: int | None = None
     temperature: float | None = None
@@ -87,7 +86,6 @@ class IterationStats:
     finished_requests: list[FinishedParentStats] = field(default_factory=list)
     #: Tokens computed by each engine step taken (prompt chunks and decodes).
     iteration_tokens: list[int] = field(default_factory=list)
-    num_preemptions: int = 0
 
 
 class StatLogger(Protocol):
@@ -136,6 +134,12 @@ class EngineStatistics:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of KV-cache blocks in use (0 before the cache exists)."""
+        total = self.num_total_blocks
+        return (total - self.num_free_blocks) / total if total else 0.0
+
 
 class LoggingStatLogger:
     """vLLM's periodic statistics line: throughput since the previous line, requests
@@ -175,10 +179,8 @@ class LoggingStatLogger:
         if preemptions > 0:
             parts.append("Preemptions: %d")
             values.append(preemptions)
-        total = statistics.num_total_blocks
         parts.append("%s KV cache usage: %.1f%%")
-        values += [self.kv_cache_device,
-                   100 * (total - statistics.num_free_blocks) / total if total else 0.0]
+        values += [self.kv_cache_device, 100 * statistics.kv_cache_usage]
         if statistics.prefix_cache_queries:
             parts.append("Prefix cache hit rate: %.1f%%")
             values.append(100 * statistics.prefix_cache_hits / statistics.prefix_cache_queries)

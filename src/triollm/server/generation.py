@@ -22,7 +22,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import anyio
 from fastapi import Request
@@ -64,8 +64,11 @@ class Submitted:
     first: RequestOutput
 
 
-def request_id_for(request: Request, body: CompletionRequest | ChatCompletionRequest,
-                   prefix: str) -> str:
+class _NamesItsId(Protocol):
+    request_id: str | None
+
+
+def request_id_for(request: Request, body: _NamesItsId, prefix: str) -> str:
     """The client's id (body, then ``X-Request-Id``), or a fresh one."""
     return remember_request_id(request, body.request_id or request.headers.get("x-request-id")
                                or random_id(prefix))

@@ -120,14 +120,13 @@ class _EngineState(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.engine.statistics()
-        used = stats.num_total_blocks - stats.num_free_blocks
         for name, documentation, value in (
             ("num_requests_running", "Number of requests in model execution batches.",
              stats.num_running),
             ("num_requests_waiting", "Number of requests waiting to be processed.",
              stats.num_waiting),
             ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             used / stats.num_total_blocks if stats.num_total_blocks else 0.0),
+             stats.kv_cache_usage),
         ):
             gauge = GaugeMetricFamily(f"vllm:{name}", documentation,
                                       labels=["model_name", "engine"])
@@ -153,9 +152,7 @@ class _EngineState(Collector):
 class PrometheusStatLogger:
     """The engine's ``StatLogger`` for ``/metrics``."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str,
-                 max_model_len: int | None = None) -> None:
-        self.model_name = model_name
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
         labels = [model_name, "0"]
         names = ["model_name", "engine"]
         self.registry = registry = CollectorRegistry(auto_describe=True)
@@ -171,8 +168,7 @@ class PrometheusStatLogger:
                           [*names, "finished_reason"], registry=registry)
         self.request_success = {reason: success.labels(*labels, reason)
                                 for reason in FINISH_REASONS}
-        token_buckets = tuple(request_token_buckets(max_model_len
-                                                    or engine.config.model.max_model_len))
+        token_buckets = tuple(request_token_buckets(engine.config.model.max_model_len))
         self.histograms = {
             key: Histogram(name, documentation, names, registry=registry,
                            buckets=token_buckets if buckets is None else buckets

@@ -28,9 +28,13 @@ from triollm.server.errors import (
     OpenAIError,
     bad_request,
     engine_unavailable,
-    remember_request_id,
 )
-from triollm.server.generation import engine_request_id, for_each_prompt, trace_headers
+from triollm.server.generation import (
+    engine_request_id,
+    for_each_prompt,
+    request_id_for,
+    trace_headers,
+)
 from triollm.server.pooling_protocol import (
     ClassificationData,
     ClassificationRequest,
@@ -52,7 +56,6 @@ from triollm.server.pooling_protocol import (
     _InputRequest,
     _PoolingFields,
 )
-from triollm.server.protocol import random_id
 from triollm.server.state import ChatRendering, ServerState, server_state
 
 __all__ = ["router"]
@@ -169,11 +172,6 @@ def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
     return [float(value) for value in vector.tolist()]
 
 
-def _request_id(request: Request, body: _PoolingFields, prefix: str) -> str:
-    return remember_request_id(request, body.request_id
-                               or request.headers.get("x-request-id") or random_id(prefix))
-
-
 # -- routes ---------------------------------------------------------------------------------
 
 
@@ -183,7 +181,7 @@ async def _vectors(body: EmbeddingRequest, request: Request, route: str,
     state = server_state(request)
     model = _checked(state, body, route, task)
     params = _params(body, dimensions=body.dimensions, normalize=body.normalize, task=task)
-    request_id = _request_id(request, body, prefix)
+    request_id = request_id_for(request, body, prefix)
     return model, request_id, await _encode_all(state, _prompts(state, body), params,
                                                 request_id, body.priority,
                                                 trace_headers(request))
@@ -213,7 +211,7 @@ async def classify(body: ClassificationRequest, request: Request) -> JSONRespons
     state = server_state(request)
     model = _checked(state, body, "/classify", "classify")
     labels = state.require_pooling("/classify").labels
-    request_id = _request_id(request, body, "classify")
+    request_id = request_id_for(request, body, "classify")
     outputs = await _encode_all(state, _prompts(state, body), _params(body), request_id,
                                 body.priority, trace_headers(request))
     data = []
@@ -269,7 +267,7 @@ async def score(body: ScoreRequest, request: Request) -> JSONResponse:
         pairs = score_pairs(first, second, names=names)
     except ValueError as error:
         raise bad_request(error) from error
-    request_id = _request_id(request, body, "score")
+    request_id = request_id_for(request, body, "score")
     scores, usage = await _scores(state, body, pairs, request_id, trace_headers(request))
     data = [ScoreData(index=i, score=value) for i, value in enumerate(scores)]
     return JSONResponse(ScoreResponse(id=request_id, model=model, data=data,
@@ -289,7 +287,7 @@ async def rerank(body: RerankRequest, request: Request) -> JSONResponse:
         pairs = score_pairs(body.query, documents, names=("query", "documents"))
     except ValueError as error:
         raise bad_request(error) from error
-    request_id = _request_id(request, body, "rerank")
+    request_id = request_id_for(request, body, "rerank")
     scores, usage = await _scores(state, body, pairs, request_id, trace_headers(request))
     order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
     if body.top_n:  # None or 0: every document, as vLLM does
