@@ -23,9 +23,14 @@ class FakeMachine:
         self.others = 0.0
         self.ours = 1.0
         self.set_calls: list[int] = []
+        self.reads = 0
 
     def read(self, cores: frozenset[int]) -> CpuTimes:
+        self.reads += 1
         return CpuTimes(self.cores_busy, self.process, self.wall)
+
+    def clock(self) -> float:
+        return self.wall
 
     def advance(self, seconds: float) -> None:
         self.wall += seconds
@@ -42,7 +47,8 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> FakeMachine:
 
 
 def _policy(machine: FakeMachine, fixed: int | None = None) -> ComputeThreads:
-    return ComputeThreads(fixed, read=machine.read, set_threads=machine.set_calls.append)
+    return ComputeThreads(fixed, read=machine.read, set_threads=machine.set_calls.append,
+                          clock=machine.clock)
 
 
 def test_a_quiet_machine_keeps_every_thread(machine: FakeMachine) -> None:
@@ -77,6 +83,16 @@ def test_a_busy_neighbour_takes_a_thread_at_once_and_gives_it_back_slowly(
     machine.advance(0.3)
     assert policy.adjust() == 2
     assert machine.set_calls == [1, 2]
+
+
+def test_the_machine_is_read_once_per_window_not_once_per_step(
+        machine: FakeMachine) -> None:
+    policy = _policy(machine)
+    assert machine.reads == 1
+    for _ in range(100):  # steps of 10 ms: 1 s, four windows
+        machine.advance(0.01)
+        policy.adjust()
+    assert machine.reads == 1 + 4
 
 
 def test_every_core_busy_still_leaves_one_thread(machine: FakeMachine) -> None:

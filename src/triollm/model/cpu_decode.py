@@ -44,46 +44,93 @@ static inline float bf16_to_float(uint16_t bits) {
     return value.f;
 }
 
-/* One (sequence, KV head): its G query heads attend over tokens [start, ctx). */
-#define ATTEND(LOAD, CACHE_T)                                                           \
-    for (int64_t t = start; t < ctx; t++) {                                             \
-        int64_t block = tables[b * max_blocks + t / block_size];                        \
-        const CACHE_T* k = (const CACHE_T*)key_cache                                     \
-            + ((h * num_blocks + block) * block_size + t % block_size) * dim;           \
+#define AS_FLOAT(x) (x)
+#define FROM_BF16(x) bf16_to_float(x)
+
+/* One (sequence, KV head): its `groups` query heads attend over tokens [start, ctx),
+   read block by block through the sequence's row of the block table (no division per
+   token). Four tokens' dot products are summed at once so their reductions overlap. */
+#define DEFINE_ATTEND(NAME, CACHE_T, LOAD)                                              \
+static inline __attribute__((always_inline)) void NAME(                                 \
+    const float* query, const CACHE_T* keys, const CACHE_T* vals,                       \
+    const int64_t* row_table, float* scores, float* acc, float* out,                    \
+    int64_t groups, int64_t block_size, int64_t dim, int64_t start, int64_t ctx,        \
+    float scale, float softcap)                                                         \
+{                                                                                       \
+    const int64_t span = ctx - start;                                                   \
+    for (int64_t blk = start / block_size; blk * block_size < ctx; blk++) {            \
+        const int64_t first = blk * block_size;                                         \
+        const CACHE_T* kb = keys + row_table[blk] * block_size * dim;                   \
+        const int64_t begin = first < start ? start - first : 0;                        \
+        const int64_t end = ctx - first < block_size ? ctx - first : block_size;        \
         for (int64_t g = 0; g < groups; g++) {                                          \
-            const float* qv = query + ((b * q_heads) + h * groups + g) * dim;           \
-            float dot = 0.0f;                                                           \
-            _Pragma("omp simd reduction(+:dot)")                                        \
-            for (int64_t d = 0; d < dim; d++) dot += qv[d] * LOAD(k[d]);                \
-            float s = dot * scale;                                                      \
-            if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;                       \
-            scores[g * span + (t - start)] = s;                                         \
+            const float* qv = query + g * dim;                                          \
+            float* row = scores + g * span + (first - start);                           \
+            int64_t j = begin;                                                          \
+            for (; j + 4 <= end; j += 4) {                                              \
+                const CACHE_T* k0 = kb + j * dim;                                       \
+                const CACHE_T* k1 = k0 + dim;                                           \
+                const CACHE_T* k2 = k1 + dim;                                           \
+                const CACHE_T* k3 = k2 + dim;                                           \
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;                       \
+                _Pragma("omp simd reduction(+:d0,d1,d2,d3)")                            \
+                for (int64_t d = 0; d < dim; d++) {                                     \
+                    const float q = qv[d];                                              \
+                    d0 += q * LOAD(k0[d]); d1 += q * LOAD(k1[d]);                       \
+                    d2 += q * LOAD(k2[d]); d3 += q * LOAD(k3[d]);                       \
+                }                                                                       \
+                row[j] = d0 * scale; row[j + 1] = d1 * scale;                           \
+                row[j + 2] = d2 * scale; row[j + 3] = d3 * scale;                       \
+            }                                                                           \
+            for (; j < end; j++) {                                                      \
+                const CACHE_T* k0 = kb + j * dim;                                       \
+                float d0 = 0.0f;                                                        \
+                _Pragma("omp simd reduction(+:d0)")                                     \
+                for (int64_t d = 0; d < dim; d++) d0 += qv[d] * LOAD(k0[d]);            \
+                row[j] = d0 * scale;                                                    \
+            }                                                                           \
         }                                                                               \
     }                                                                                   \
     for (int64_t g = 0; g < groups; g++) {                                              \
         float* row = scores + g * span;                                                 \
+        if (softcap > 0.0f)                                                             \
+            for (int64_t i = 0; i < span; i++) row[i] = tanhf(row[i] / softcap) * softcap; \
         float top = -INFINITY;                                                          \
         for (int64_t i = 0; i < span; i++) top = row[i] > top ? row[i] : top;           \
         float total = 0.0f;                                                             \
         for (int64_t i = 0; i < span; i++) { row[i] = expf(row[i] - top); total += row[i]; } \
-        float inverse = 1.0f / total;                                                   \
+        const float inverse = 1.0f / total;                                             \
         for (int64_t i = 0; i < span; i++) row[i] *= inverse;                           \
     }                                                                                   \
-    for (int64_t g = 0; g < groups * dim; g++) acc[g] = 0.0f;                           \
-    for (int64_t t = start; t < ctx; t++) {                                             \
-        int64_t block = tables[b * max_blocks + t / block_size];                        \
-        const CACHE_T* v = (const CACHE_T*)value_cache                                   \
-            + ((h * num_blocks + block) * block_size + t % block_size) * dim;           \
+    for (int64_t i = 0; i < groups * dim; i++) acc[i] = 0.0f;                           \
+    for (int64_t blk = start / block_size; blk * block_size < ctx; blk++) {            \
+        const int64_t first = blk * block_size;                                         \
+        const CACHE_T* vb = vals + row_table[blk] * block_size * dim;                   \
+        const int64_t begin = first < start ? start - first : 0;                        \
+        const int64_t end = ctx - first < block_size ? ctx - first : block_size;        \
         for (int64_t g = 0; g < groups; g++) {                                          \
-            float w = scores[g * span + (t - start)];                                   \
-            float* out_row = acc + g * dim;                                             \
-            _Pragma("omp simd")                                                         \
-            for (int64_t d = 0; d < dim; d++) out_row[d] += w * LOAD(v[d]);             \
+            const float* weights = scores + g * span + (first - start);                 \
+            float* sum = acc + g * dim;                                                 \
+            for (int64_t j = begin; j < end; j++) {                                     \
+                const CACHE_T* v = vb + j * dim;                                        \
+                const float w = weights[j];                                             \
+                _Pragma("omp simd")                                                     \
+                for (int64_t d = 0; d < dim; d++) sum[d] += w * LOAD(v[d]);             \
+            }                                                                           \
         }                                                                               \
-    }
+    }                                                                                   \
+    for (int64_t i = 0; i < groups * dim; i++) out[i] = acc[i];                         \
+}
 
-#define AS_FLOAT(x) (x)
-#define FROM_BF16(x) bf16_to_float(x)
+DEFINE_ATTEND(attend_f32, float, AS_FLOAT)
+DEFINE_ATTEND(attend_bf16, uint16_t, FROM_BF16)
+
+#define CALL_ATTEND(FUNCTION, CACHE_T)                                                  \
+    FUNCTION(query + (b * q_heads + h * groups) * dim,                                  \
+             (const CACHE_T*)key_cache + h * num_blocks * block_size * dim,             \
+             (const CACHE_T*)value_cache + h * num_blocks * block_size * dim,           \
+             tables + b * max_blocks, scores, acc, out + (b * q_heads + h * groups) * dim, \
+             groups, block_size, dim, start, ctx, scale, softcap)
 
 int triollm_paged_decode(
     const float* query, const void* key_cache, const void* value_cache,
@@ -109,18 +156,13 @@ int triollm_paged_decode(
         for (int64_t b = 0; b < batch; b++) {
             for (int64_t h = 0; h < kv_heads; h++) {
                 if (scores == NULL || acc == NULL) continue;
-                int64_t ctx = context_lens[b];
-                int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
-                int64_t span = ctx - start;
-                if (span <= 0) continue;
+                const int64_t ctx = context_lens[b];
+                const int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
+                if (ctx - start <= 0) continue;
                 if (cache_is_bf16) {
-                    ATTEND(FROM_BF16, uint16_t)
+                    CALL_ATTEND(attend_bf16, uint16_t);
                 } else {
-                    ATTEND(AS_FLOAT, float)
-                }
-                for (int64_t g = 0; g < groups; g++) {
-                    float* dst = out + ((b * q_heads) + h * groups + g) * dim;
-                    for (int64_t d = 0; d < dim; d++) dst[d] = acc[g * dim + d];
+                    CALL_ATTEND(attend_f32, float);
                 }
             }
         }

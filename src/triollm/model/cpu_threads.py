@@ -78,8 +78,10 @@ class ComputeThreads:
 
     def __init__(self, fixed: int | None, *,
                  read: Callable[[frozenset[int]], CpuTimes | None] = read_cpu_times,
-                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._read = read
+        self._clock = clock
         self._set_threads = set_threads
         self._cores = frozenset(os.sched_getaffinity(0)) if hasattr(
             os, "sched_getaffinity") else frozenset(range(os.cpu_count() or 1))
@@ -99,6 +101,9 @@ class ComputeThreads:
     def adjust(self) -> int:
         """Re-decide the thread count if a window has passed; returns the count."""
         if not self.adaptive or self._last is None:
+            return self.threads
+        # Reading /proc costs ~0.1 ms, so it is read only once a window has passed.
+        if self._clock() - self._last.wall < WINDOW_SECONDS:
             return self.threads
         now = self._read(self._cores)
         if now is None or now.wall - self._last.wall < WINDOW_SECONDS:
