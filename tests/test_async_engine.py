@@ -20,6 +20,8 @@ from triollm import (
     RequestOutputKind,
     SamplingParams,
 )
+from triollm.engine import worker as worker_module
+from triollm.engine.worker import open_model_worker
 from triollm.model.loader import build_demo_tokenizer
 from triollm.testing import FakeModelRunner, fake_completion
 
@@ -252,6 +254,56 @@ async def test_run_in_a_task_group_the_caller_owns() -> None:
     assert not engine.is_running and runner.shut_down
     with pytest.raises(RuntimeError, match="already been started"):
         await engine.run()
+
+
+async def test_cancelling_the_engine_stops_it_between_back_to_back_steps() -> None:
+    # Busy, the step loop only waits on the model thread (shielded), so this checks it
+    # still notices the cancellation between steps. The consumer lives outside the
+    # cancelled scope, so its request keeps the engine busy until then.
+    engine, runner = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.001))
+    first_output = anyio.Event()
+
+    async def consume() -> None:
+        with pytest.raises(EngineClosedError):
+            async for _ in engine.generate({"prompt_token_ids": [3, 4]}, params(120), "r"):
+                first_output.set()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as outer:
+            async with anyio.create_task_group() as engine_group:
+                await engine_group.start(engine.run)
+                outer.start_soon(consume)
+                await first_output.wait()
+                engine_group.cancel_scope.cancel()
+    assert runner.shut_down and not engine.is_running
+    assert runner.num_steps < 100
+
+
+async def test_an_idle_model_thread_takes_a_job_before_the_loop_runs_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The hand-off releases the GIL to the model thread; with a long bound the
+    # submitting task resumes the loop only once the thread has the job.
+    monkeypatch.setattr(worker_module, "HANDOFF_SECONDS", 10.0)
+    started = threading.Event()
+    release = threading.Event()
+
+    def job() -> None:
+        started.set()
+        release.wait(10)
+
+    async with open_model_worker() as worker, anyio.create_task_group() as tg:
+        tg.start_soon(worker.run_sync, job)
+        await anyio.wait_all_tasks_blocked()  # the task has submitted and is waiting
+        assert started.is_set()
+        # The thread is busy now: a second job is queued without blocking the loop.
+        lateness: list[float] = []
+        tg.start_soon(run_ticker, lateness)
+        tg.start_soon(worker.run_sync, lambda: None)
+        await anyio.sleep(0.3)
+        release.set()
+        await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    assert max(lateness) < 0.2
 
 
 async def test_event_loop_stays_responsive_while_the_model_computes() -> None:
