@@ -4,8 +4,8 @@ blocks and calling SDPA (the ``enforce_eager`` path), on the same cache.
 
 One attention layer of the benchmarks' Llama (12 heads of 64, 16-token blocks), ``B``
 single-token queries over contexts of ``L`` tokens in blocks scattered over a
-4,096-block cache; the whole layer's call (cache write included), as the model makes
-it. Median of ``--repeats`` timings of each call.
+``--blocks`` cache (4,096 by default); the whole layer's call (cache write included), as
+the model makes it. Median of ``--repeats`` timings of each call.
 
     python benchmarks/decode_attention.py
     python benchmarks/decode_attention.py --mixed 304,160,64 300,200,120,50
@@ -33,7 +33,7 @@ from triollm.model.attention import (
     paged_attention_forward,
 )
 
-HEADS, DIM, BLOCK, BLOCKS = 12, 64, 16, 4096
+HEADS, DIM, BLOCK = 12, 64, 16
 
 
 @torch.inference_mode()
@@ -49,16 +49,20 @@ def main() -> None:
                                                         "48x320", "64x512"],
                         help="BATCHxCONTEXT pairs")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--blocks", type=int, default=4096,
+                        help="blocks in the cache (4096: 200 MB, read from memory; 640: "
+                             "30 MB, about what a small model's cache holds, in L3 here)")
     parser.add_argument("--mixed", nargs="+", metavar="CTX,CTX,...",
                         help="instead: one step's decodes with these context lengths")
     args = parser.parse_args()
     torch.manual_seed(0)
     module = torch.nn.Module()
-    cache = PagedKVCache({id(module): KVCacheSpec(HEADS, DIM)}, BLOCKS, BLOCK, torch.float32,
+    blocks = args.blocks
+    cache = PagedKVCache({id(module): KVCacheSpec(HEADS, DIM)}, blocks, BLOCK, torch.float32,
                          torch.device("cpu"))
     cache.keys[0].normal_()
     cache.values[0].normal_()
-    bf16_cache = PagedKVCache({id(module): KVCacheSpec(HEADS, DIM)}, BLOCKS, BLOCK,
+    bf16_cache = PagedKVCache({id(module): KVCacheSpec(HEADS, DIM)}, blocks, BLOCK,
                               torch.bfloat16, torch.device("cpu"))
     bf16_cache.keys[0].copy_(cache.keys[0])
     bf16_cache.values[0].copy_(cache.values[0])
@@ -68,14 +72,14 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; one layer, "
           f"{HEADS} heads x {DIM}; median of {args.repeats}")
     if args.mixed:
-        mixed(module, cache, args.mixed, args.repeats)
+        mixed(module, cache, args.mixed, args.repeats, blocks)
         return
     print(f"{'batch x context':>16} {'gather + SDPA':>14} {'compiled':>10} {'C fp32':>10} "
           f"{'C bf16':>10} {'C bf16 vs compiled':>19}")
     for shape in args.shapes:
         batch, context = map(int, shape.split("x"))
         width = -(-context // BLOCK)
-        order = torch.randperm(BLOCKS)[:batch * width]
+        order = torch.randperm(blocks)[:batch * width]
         group = DecodeGroup(0, batch, order.view(batch, width), torch.full((batch,), context))
         query = torch.randn(1, HEADS, batch, DIM)
         key = torch.randn(1, HEADS, batch, DIM)
@@ -94,12 +98,13 @@ def main() -> None:
               f" {results['compiled'] / results['C bf16']:18.2f}x", flush=True)
 
 
-def mixed(module: torch.nn.Module, cache: PagedKVCache, steps: list[str], repeats: int) -> None:
+def mixed(module: torch.nn.Module, cache: PagedKVCache, steps: list[str], repeats: int,
+          blocks: int) -> None:
     print(f"{'contexts':>24} {'25% rule':>16} {'with allowance':>20} {'speed-up':>9}")
     for step in steps:
         contexts = sorted((int(c) for c in step.split(",")), reverse=True)
         widths = [-(-c // BLOCK) for c in contexts]
-        order = torch.randperm(BLOCKS)[:sum(widths)].tolist()
+        order = torch.randperm(blocks)[:sum(widths)].tolist()
         tables = [order[sum(widths[:i]):sum(widths[:i + 1])] for i in range(len(widths))]
         batch = len(contexts)
         query, key, value = (torch.randn(1, HEADS, batch, DIM) for _ in range(3))
