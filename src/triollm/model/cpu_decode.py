@@ -53,7 +53,7 @@ static inline float bf16_to_float(uint16_t bits) {
 #define DEFINE_ATTEND(NAME, CACHE_T, LOAD)                                              \
 static inline __attribute__((always_inline)) void NAME(                                 \
     const float* query, const CACHE_T* keys, const CACHE_T* vals,                       \
-    const int64_t* row_table, float* scores, float* acc, float* out,                    \
+    const int64_t* row_table, float* scores, float* out,                                \
     int64_t groups, int64_t block_size, int64_t dim, int64_t start, int64_t ctx,        \
     float scale, float softcap)                                                         \
 {                                                                                       \
@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         const float inverse = 1.0f / total;                                             \
         for (int64_t i = 0; i < span; i++) row[i] *= inverse;                           \
     }                                                                                   \
-    for (int64_t i = 0; i < groups * dim; i++) acc[i] = 0.0f;                           \
+    for (int64_t i = 0; i < groups * dim; i++) out[i] = 0.0f;                           \
     for (int64_t blk = start / block_size; blk * block_size < ctx; blk++) {            \
         const int64_t first = blk * block_size;                                         \
         const CACHE_T* vb = vals + row_table[blk] * block_size * dim;                   \
@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         const int64_t end = ctx - first < block_size ? ctx - first : block_size;        \
         for (int64_t g = 0; g < groups; g++) {                                          \
             const float* weights = scores + g * span + (first - start);                 \
-            float* sum = acc + g * dim;                                                 \
+            float* sum = out + g * dim;                                                 \
             for (int64_t j = begin; j < end; j++) {                                     \
                 const CACHE_T* v = vb + j * dim;                                        \
                 const float w = weights[j];                                             \
@@ -119,7 +119,6 @@ static inline __attribute__((always_inline)) void NAME(                         
             }                                                                           \
         }                                                                               \
     }                                                                                   \
-    for (int64_t i = 0; i < groups * dim; i++) out[i] = acc[i];                         \
 }
 
 DEFINE_ATTEND(attend_f32, float, AS_FLOAT)
@@ -129,7 +128,7 @@ DEFINE_ATTEND(attend_bf16, uint16_t, FROM_BF16)
     FUNCTION(query + (b * q_heads + h * groups) * dim,                                  \
              (const CACHE_T*)key_cache + h * num_blocks * block_size * dim,             \
              (const CACHE_T*)value_cache + h * num_blocks * block_size * dim,           \
-             tables + b * max_blocks, scores, acc, out + (b * q_heads + h * groups) * dim, \
+             tables + b * max_blocks, scores, out + (b * q_heads + h * groups) * dim,   \
              groups, block_size, dim, start, ctx, scale, softcap)
 
 int triollm_paged_decode(
@@ -147,15 +146,14 @@ int triollm_paged_decode(
     #pragma omp parallel num_threads(threads)
     {
         float* scores = (float*)malloc(sizeof(float) * (size_t)(groups * (longest + 1)));
-        float* acc = (float*)malloc(sizeof(float) * (size_t)(groups * dim));
-        if (scores == NULL || acc == NULL) {
+        if (scores == NULL) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t b = 0; b < batch; b++) {
             for (int64_t h = 0; h < kv_heads; h++) {
-                if (scores == NULL || acc == NULL) continue;
+                if (scores == NULL) continue;
                 const int64_t ctx = context_lens[b];
                 const int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
                 if (ctx - start <= 0) continue;
@@ -167,7 +165,6 @@ int triollm_paged_decode(
             }
         }
         free(scores);
-        free(acc);
     }
     return failed;
 }

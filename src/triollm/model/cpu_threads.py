@@ -106,7 +106,7 @@ class ComputeThreads:
         if self._clock() - self._last.wall < WINDOW_SECONDS:
             return self.threads
         now = self._read(self._cores)
-        if now is None or now.wall - self._last.wall < WINDOW_SECONDS:
+        if now is None:
             return self.threads
         elapsed = now.wall - self._last.wall
         others = ((now.cores_busy - self._last.cores_busy)
