@@ -14,6 +14,9 @@ most what torch started with. Fewer
 threads are taken at once; more only after two windows agree, so a brief burst next
 door does not make it flap. A fixed ``cpu_threads``, or ``OMP_NUM_THREADS`` in the
 environment, turns this off. Where ``/proc`` cannot be read the count stays fixed.
+
+``prepare_for_cpu`` is what both model runners do to a loaded model on CPU: this policy,
+and the linear layers moved onto oneDNN-packed weights (packed_linear.py).
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-__all__ = ["ComputeThreads", "CpuTimes", "read_cpu_times"]
+from triollm.model.packed_linear import pack_linear_layers
+
+__all__ = ["ComputeThreads", "CpuTimes", "prepare_for_cpu", "read_cpu_times"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,3 +138,12 @@ class ComputeThreads:
                     self.others_cores, len(self._cores), threads, "" if threads == 1 else "s")
         self.threads = threads
         self._set_threads(threads)
+
+
+def prepare_for_cpu(model: nn.Module, cpu_threads: int | None) -> ComputeThreads:
+    """The thread policy a runner's steps compute with (``cpu_threads``: a fixed count,
+    or None to adapt), after moving ``model``'s linear layers onto packed weights."""
+    compute_threads = ComputeThreads(cpu_threads)
+    packed = pack_linear_layers(model)
+    logger.info("%d linear layers run on oneDNN-packed weights", packed)
+    return compute_threads

@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 from triollm.config import EngineConfig
-from triollm.model.cpu_threads import ComputeThreads
+from triollm.model.cpu_threads import ComputeThreads, prepare_for_cpu
 from triollm.model.loader import load_pooling_model
-from triollm.model.packed_linear import pack_linear_layers
 from triollm.model.pooler import Pooler
 from triollm.model.varlen_attention import VARLEN_ATTENTION_NAME, VarlenMetadata
 from triollm.pooling_params import PoolingParams
@@ -59,11 +58,9 @@ class PoolingModelRunner:
         self.uses_token_types = hasattr(embeddings, "token_type_embeddings")
         self.head = self._classifier_head() if self.task == "classify" else None
         self.pooler = Pooler(pooler_config, model_config.model, self.device, **hub)
-        self.compute_threads: ComputeThreads | None = None
-        if self.device.type == "cpu":
-            self.compute_threads = ComputeThreads(model_config.cpu_threads)
-            packed = pack_linear_layers(self.model)
-            logger.info("%d linear layers run on oneDNN-packed weights", packed)
+        self.compute_threads: ComputeThreads | None = (
+            prepare_for_cpu(self.model, model_config.cpu_threads)
+            if self.device.type == "cpu" else None)
         scheduler = config.scheduler
         self.num_kv_blocks = (-(-scheduler.max_num_batched_tokens // config.cache.block_size)
                               + scheduler.max_num_seqs)

@@ -30,10 +30,9 @@ from triollm.model.attention import (
     compiled_paged_decode_attention,
 )
 from triollm.model.cpu_decode import CpuDecodeKernel, load_kernel
-from triollm.model.cpu_threads import ComputeThreads
+from triollm.model.cpu_threads import ComputeThreads, prepare_for_cpu
 from triollm.model.loader import load_model
 from triollm.model.lora_manager import LoRAManager
-from triollm.model.packed_linear import pack_linear_layers
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 
@@ -112,11 +111,9 @@ class TorchModelRunner:
             download_dir=model_config.download_dir,
         )
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.compute_threads: ComputeThreads | None = None
-        if self.device.type == "cpu":
-            self.compute_threads = ComputeThreads(model_config.cpu_threads)
-            packed = pack_linear_layers(self.model)
-            logger.info("%d linear layers run on oneDNN-packed weights", packed)
+        self.compute_threads: ComputeThreads | None = (
+            prepare_for_cpu(self.model, model_config.cpu_threads)
+            if self.device.type == "cpu" else None)
         self.lora = (LoRAManager(self.model, config.lora, self.device)
                      if config.lora is not None else None)
         self.generator = torch.Generator(device=self.device)
