@@ -21,6 +21,16 @@ settings.register_profile(
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def eager_models_by_default() -> Any:
+    """Engines the tests build run their models eagerly unless a test asks for
+    ``optimization_level``: compiling each tiny model would take most of the suite's time.
+    The compiled forward has its own tests (test_compiled_model.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("triollm.engine.args.DEFAULT_OPTIMIZATION_LEVEL", 0)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
     from triollm.testing import train_test_tokenizer

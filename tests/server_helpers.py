@@ -74,6 +74,8 @@ def server_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``python -m triollm serve ARGS --host 127.0.0.1 --port 0``; yields the process and
     its URL."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if "--optimization-level" not in args:  # see conftest.eager_models_by_default
+        args = (*args, "--optimization-level", "0")
     process = subprocess.Popen(
         [sys.executable, "-m", "triollm", "serve", *args, "--host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

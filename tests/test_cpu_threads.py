@@ -134,3 +134,20 @@ def test_the_cpu_times_of_this_process_and_its_cores_are_read() -> None:
     assert after.process - before.process >= 0.15
     assert after.cores_busy - before.cores_busy >= 0.15
     assert after.wall > before.wall
+
+
+def test_for_a_compiled_model_the_count_steps_along_a_ladder(
+        machine: FakeMachine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled model is compiled once per thread count, so the policy keeps to powers
+    of two and the most, rounding down."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)))
+    monkeypatch.setattr(cpu_threads.torch, "get_num_threads", lambda: 12)
+    policy = _policy(machine)
+    assert policy.thread_counts() == list(range(1, 13))
+    policy.use_ladder()
+    assert policy.thread_counts() == [1, 2, 4, 8, 12]
+    machine.others = 5.0  # seven cores left
+    machine.advance(0.3)
+    assert policy.adjust() == 4
+    assert machine.set_calls == [4]
+    assert _policy(machine, fixed=3).thread_counts() == [3]

@@ -67,8 +67,11 @@ _HELP = {
     "trust_remote_code": "allow a model directory's own modeling code",
     "max_logprobs": "the most logprobs or prompt_logprobs one request may ask for; -1: "
                     "the whole vocabulary",
-    "enforce_eager": "compile nothing (on CPU, decode attention then gathers KV blocks "
+    "enforce_eager": "compile nothing (on CPU, the model then runs eagerly and decode "
+                     "attention gathers KV blocks "
                      "instead of running the C or torch.compile'd kernel)",
+    "optimization_level": "0: run the model eagerly (fastest start); 1-3: on CPU, compile "
+                          "its forward with torch.compile at start-up (default 2)",
     "cpu_threads": "compute threads on CPU; default: all usable cores, fewer while other "
                    "processes keep some busy (docs/api.md)",
     "tensor_parallel_size": "number of GPUs (only 1 for now)",

@@ -58,6 +58,9 @@ class ModelConfig:
     seed: int
     trust_remote_code: bool
     enforce_eager: bool
+    #: Run the forward through ``torch.compile`` (CPU only; ``optimization_level`` > 0
+    #: and not ``enforce_eager``).
+    compile_model: bool
     #: Intra-op threads on CPU; None: adapt to the cores other processes leave free.
     cpu_threads: int | None
     #: The most logprobs (sample or prompt) one request may ask for; -1: the vocabulary.

@@ -23,7 +23,8 @@ _LORA = "this LoRA option is not supported: triollm serves LoRA adapters on the 
         "--max-lora-rank, --max-cpu-loras, --lora-dtype, --lora-target-modules)"
 _QUANT = "quantized weights and KV caches are not supported: weights load in --dtype"
 _KERNELS = "vLLM's kernel, CUDA-graph and compilation settings have no counterpart: " \
-           "triollm compiles only its CPU decode attention (--enforce-eager turns it off)"
+           "on CPU triollm compiles its decode attention and, by --optimization-level, the " \
+           "model's forward (--enforce-eager turns both off)"
 _TRACING = ("NVTX and trace-replay tracing are not supported (OpenTelemetry is: "
             "--otlp-traces-endpoint)")
 _METRICS = "this metric is not implemented"
@@ -119,7 +120,7 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
               "--ir-op-priority", "--linear-backend", "--moe-backend",
               "--sparse-indexer-topk-backend", "--gdn-prefill-backend",
               "--kda-decode-backend", "--kda-prefill-backend", "--kernel-config",
-              "--optimization-level", "--performance-mode", "--jit-monitor-mode"),
+              "--performance-mode", "--jit-monitor-mode"),
     **_switches(_KERNELS, "--enable-flashinfer-autotune", "--disable-cascade-attn",
                 "--use-fp64-gumbel", "--jit-monitor-verbose",
                 "--enable-flash-late-interaction"),

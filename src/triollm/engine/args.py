@@ -53,6 +53,10 @@ _DTYPE_NAMES = {
 }
 
 
+#: vLLM's default level: compile the model (``optimization_level``).
+DEFAULT_OPTIMIZATION_LEVEL = 2
+
+
 def _fail(field_name: str, message: str) -> ValueError:
     return ValueError(f"{field_name}: {message}")
 
@@ -183,6 +187,9 @@ class EngineArgs:
     kv_cache_space_gb: float = 4.0
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    #: vLLM's ``-O`` levels: 0 runs the model eagerly; 1-3 (on CPU) compile its
+    #: forward with ``torch.compile`` at start-up. None: ``DEFAULT_OPTIMIZATION_LEVEL``.
+    optimization_level: int | None = None
     cpu_threads: int | None = None
     max_logprobs: int = 20
     tensor_parallel_size: int = 1
@@ -282,6 +289,9 @@ class EngineArgs:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             enforce_eager=self.enforce_eager,
+            compile_model=not self.enforce_eager and (
+                DEFAULT_OPTIMIZATION_LEVEL if self.optimization_level is None
+                else self.optimization_level) > 0,
             cpu_threads=self.cpu_threads,
             max_logprobs=self.max_logprobs,
             hf_config=hf_config,
@@ -461,6 +471,12 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _fail("gpu_memory_utilization", f"must be in (0, 1], got "
                         f"{self.gpu_memory_utilization}")
+        if self.optimization_level is not None and (
+                not isinstance(self.optimization_level, int)
+                or isinstance(self.optimization_level, bool)
+                or not 0 <= self.optimization_level <= 3):
+            raise _fail("optimization_level", f"must be 0, 1, 2 or 3, got "
+                        f"{self.optimization_level!r}")
         if not self.kv_cache_space_gb > 0:
             raise _fail("kv_cache_space_gb", f"must be > 0, got {self.kv_cache_space_gb}")
         if self.tensor_parallel_size != 1:

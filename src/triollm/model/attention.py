@@ -12,14 +12,19 @@ the step's keys and values into the paged cache at ``slot_mapping`` and attends:
   blocks are gathered into a reused workspace and handed to SDPA;
 * each prefill chunk on its own, causally, over its cached prefix plus itself.
 
-The per-step metadata travels as the ``triollm_metadata`` keyword through the model
-call, which transformers passes down to every attention layer; there is no global.
+The per-step metadata travels as the ``triollm_metadata`` keyword through an eager
+model call, which transformers passes down to every attention layer. A compiled model
+(``torch.compile`` traces the modules, not this Python metadata) calls the custom op
+``triollm::paged_attention`` instead, which finds the metadata in ``forward_metadata``,
+set on the model thread for the length of the forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +33,7 @@ from transformers import AttentionInterface
 
 __all__ = [
     "ATTENTION_NAME",
+    "LAYER_ATTRIBUTE",
     "DecodeGroup",
     "KVCacheSpec",
     "PagedAttentionMetadata",
@@ -35,11 +41,15 @@ __all__ = [
     "PrefillChunk",
     "ProfileRecorder",
     "compiled_paged_decode_attention",
+    "forward_metadata",
+    "paged_attention",
     "paged_attention_forward",
     "paged_decode_attention",
 ]
 
 ATTENTION_NAME = "triollm_paged"
+#: Set on each attention module once the KV cache exists: its layer's index in the cache.
+LAYER_ATTRIBUTE = "triollm_kv_layer"
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,14 @@ class PagedKVCache:
     def layer(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         index = self._layer_of_module[id(module)]
         return self.keys[index], self.values[index]
+
+    def number_layers(self, model: torch.nn.Module) -> None:
+        """Tell each of ``model``'s attention modules its layer's index in this cache
+        (``LAYER_ATTRIBUTE``): a compiled forward reads it as a constant."""
+        for module in model.modules():
+            index = self._layer_of_module.get(id(module))
+            if index is not None:
+                setattr(module, LAYER_ATTRIBUTE, index)
 
     def gather(self, cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
         """``cache[:, block_ids]`` into a reused buffer: ``[heads, len(block_ids), bs, dim]``."""
@@ -288,15 +306,19 @@ def paged_attention_forward(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface function: ``[1, H, T, D]`` in, ``[1, T, H, D]`` out."""
-    meta = triollm_metadata
-    if meta is None:
-        raise RuntimeError(
-            f"the {ATTENTION_NAME!r} attention runs only inside triollm's model runner")
     if query.shape[0] != 1:
         raise RuntimeError("triollm runs one flattened [1, T] batch per forward")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(sliding_window, int) and sliding_window <= 0:
         sliding_window = None
+    if torch.compiler.is_compiling():
+        out = paged_attention(query[0], key[0], value[0], getattr(module, LAYER_ATTRIBUTE),
+                              scale, sliding_window, softcap)
+        return out.transpose(0, 1).unsqueeze(0), None
+    meta = triollm_metadata
+    if meta is None:
+        raise RuntimeError(
+            f"the {ATTENTION_NAME!r} attention runs only inside triollm's model runner")
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
 
     if meta.profile is not None:
@@ -307,6 +329,24 @@ def paged_attention_forward(
     if meta.kv_cache is None:
         raise RuntimeError("paged attention called without a KV cache")
     key_cache, value_cache = meta.kv_cache.layer(module)
+    out = _paged_attention(meta, key_cache, value_cache, q, k, v, scale, sliding_window, softcap)
+    return out.transpose(0, 1).unsqueeze(0), None
+
+
+def _paged_attention(
+    meta: PagedAttentionMetadata,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Write the step's keys and values into one layer's cache and attend: ``[H, T, D]``
+    in, ``[Hq, T, D]`` out in the query's dtype."""
+    assert meta.kv_cache is not None
     heads, _, _, dim = key_cache.shape
     # Attention computes in fp32 on CPU (where SDPA is ~3x faster than in bf16), else
     # in the cache's dtype; the cache may be narrower (bf16 on CPU, read by the C
@@ -350,7 +390,48 @@ def paged_attention_forward(
         mask = meta.prefill_mask(index, sliding_window)
         chunk_out = _attend(chunk_q[None], chunk_k[None], chunk_v[None], mask, scale, softcap)
         out[:, chunk.query_start:chunk.query_end] = chunk_out[0]
-    return out.transpose(0, 1).unsqueeze(0).to(model_dtype), None
+    return out.to(model_dtype)
+
+
+_forward = threading.local()
+
+
+@contextlib.contextmanager
+def forward_metadata(metadata: PagedAttentionMetadata) -> Iterator[None]:
+    """The step's metadata for a compiled forward, which cannot take it as a keyword:
+    ``paged_attention`` (the custom op) reads it on this thread while the forward runs."""
+    _forward.metadata = metadata
+    try:
+        yield
+    finally:
+        _forward.metadata = None
+
+
+@torch.library.custom_op("triollm::paged_attention", mutates_args=())
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The paged attention of the KV cache's layer ``layer`` as one opaque op, for a
+    compiled model (``torch.compile`` cannot trace the step's Python metadata): ``[H, T,
+    D]`` in, ``[Hq, T, D]`` out. It writes the layer's cache, which is not an argument:
+    the cache is the runner's, found through ``forward_metadata``."""
+    meta: PagedAttentionMetadata | None = getattr(_forward, "metadata", None)
+    if meta is None or meta.kv_cache is None:
+        raise RuntimeError("triollm::paged_attention called outside forward_metadata")
+    return _paged_attention(meta, meta.kv_cache.keys[layer], meta.kv_cache.values[layer],
+                            query, key, value, scale, sliding_window, softcap)
+
+
+@paged_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+      sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    return torch.empty_like(query)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

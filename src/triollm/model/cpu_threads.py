@@ -99,10 +99,22 @@ class ComputeThreads:
         if self._last is None:
             self.adaptive = False
         self._raise_votes = 0
+        self._allowed = list(range(1, self.max_threads + 1))
         #: Other processes' load over the last window, in cores.
         self.others_cores = 0.0
         if fixed is not None:
             set_threads(fixed)
+
+    def thread_counts(self) -> list[int]:
+        """Every count ``adjust`` may set, fewest first."""
+        return self._allowed if self.adaptive else [self.threads]
+
+    def use_ladder(self) -> None:
+        """Adapt in powers of two (and the most) only: a compiled model is compiled once
+        per thread count (torch.compile guards on it), so the counts must be few."""
+        self._allowed = sorted({self.max_threads} | {
+            1 << power for power in range(self.max_threads.bit_length())
+            if 1 << power < self.max_threads})
 
     def adjust(self) -> int:
         """Re-decide the thread count if a window has passed; returns the count."""
@@ -121,6 +133,7 @@ class ComputeThreads:
         self.others_cores = max(0.0, others)
         taken = int(self.others_cores + (1 - TAKEN_CORE))
         target = max(1, min(self.max_threads, len(self._cores) - taken))
+        target = max(count for count in self._allowed if count <= target)
         if target < self.threads:
             self._raise_votes = 0
             self._change(target)

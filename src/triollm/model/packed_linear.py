@@ -26,14 +26,16 @@ shape then needs at most 32 + 16 per doubling primitives, about 160 up to 8,192 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from collections import Counter
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-__all__ = ["PackedLinear", "pack_linear_layers", "padded_rows"]
+__all__ = ["PackedLinear", "pack_linear_layers", "packed_linear", "padded_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,28 +44,57 @@ class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` held in oneDNN's packed layout.
 
     The packed tensor is an attribute, not a parameter: it is an opaque ``_mkldnn``
-    tensor that only oneDNN's linear reads."""
+    tensor that only oneDNN's linear reads, and that ``torch.compile`` cannot trace. A
+    compiled model therefore calls the custom op ``triollm::packed_linear`` with the
+    layer's ``handle``, under which the packed weight is registered for as long as the
+    module lives."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         self.bias = None if bias is None else bias.detach()
+        self.handle = next(_handles)
+        _registered[self.handle] = (self.packed_weight, self.bias)
+        weakref.finalize(self, _registered.pop, self.handle, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        padded = padded_rows(rows)
-        if padded == rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
-                                                      "none", [], "")
-        flat = nn.functional.pad(x.reshape(rows, self.in_features), (0, 0, 0, padded - rows))
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none",
-                                                 [], "")
-        return out[:rows].view(*x.shape[:-1], self.out_features)
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.handle, self.out_features)
+        return _linear(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
+
+
+def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+            ) -> torch.Tensor:
+    in_features = x.shape[-1]
+    rows = x.numel() // in_features
+    padded = padded_rows(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    flat = nn.functional.pad(x.reshape(rows, in_features), (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed_weight, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
+
+
+_handles = itertools.count()
+#: handle -> (packed weight, bias) of every live ``PackedLinear``.
+_registered: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+@torch.library.custom_op("triollm::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """``PackedLinear`` number ``handle``'s product, as an op a compiled graph can call."""
+    packed_weight, bias = _registered[handle]
+    return _linear(x, packed_weight, bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def padded_rows(rows: int) -> int:

@@ -28,6 +28,7 @@ from triollm.model.attention import (
     PrefillChunk,
     ProfileRecorder,
     compiled_paged_decode_attention,
+    forward_metadata,
 )
 from triollm.model.cpu_decode import CpuDecodeKernel, load_kernel
 from triollm.model.cpu_threads import ComputeThreads, prepare_for_cpu
@@ -124,9 +125,16 @@ class TorchModelRunner:
         self.num_kv_blocks = self._num_blocks(specs)
         self.kv_cache = PagedKVCache(specs, self.num_kv_blocks, self.block_size,
                                      self.cache_dtype, self.device)
+        self.kv_cache.number_layers(self.model)
         self.decode_kernel: DecodeKernel | None = None
         if self.device.type == "cpu" and not model_config.enforce_eager:
             self.decode_kernel = self._compile_decode_attention(specs)
+        self.compiled = False
+        if model_config.compile_model and self.compute_threads is not None:
+            if self.lora is not None:
+                logger.info("LoRA layers are not compiled: the model runs eagerly")
+            else:
+                self.compiled = self._compile_model(specs, self.compute_threads)
 
     # -- set-up --------------------------------------------------------------------
 
@@ -168,14 +176,22 @@ class TorchModelRunner:
             return compiled_paged_decode_attention
         return None
 
-    def _try_decode_kernel(self, kernel: DecodeKernel, specs: dict[int, KVCacheSpec]) -> bool:
-        # torch.compile ties sizes that are equal when it compiles ("duck sizing") and
-        # compiles again once they differ, so the dummy batch and table width must not
-        # equal any of the cache's or the model's dimensions.
+    def _dummy_sizes(self, specs: dict[int, KVCacheSpec]) -> tuple[int, int]:
+        """A batch size and a block-table width for a forward that compiles: torch.compile
+        ties sizes that are equal when it compiles ("duck sizing") and compiles again once
+        they differ, so neither may equal any of the cache's or the model's dimensions."""
+        hf_config = self.config.model.hf_config
         taken = {self.num_kv_blocks, self.block_size, *(
             size for spec in specs.values() for size in (spec.num_kv_heads, spec.head_dim))}
-        taken |= {int(getattr(self.config.model.hf_config, "num_attention_heads", 0))}
+        taken |= {int(getattr(hf_config, name, 0) or 0) for name in (
+            "num_attention_heads", "hidden_size", "intermediate_size", "num_hidden_layers")}
         rows, columns = [n for n in (5, 7, 11, 13, 17, 19, 23, 29, 31) if n not in taken][:2]
+        return rows, columns
+
+    def _dummy_decodes(self, rows: int, columns: int, kernel: DecodeKernel | None,
+                       compiled: bool) -> torch.Tensor:
+        """A forward of ``rows`` decodes over tables of ``columns`` copies of block 0,
+        whose slots get overwritten before any request reads them."""
         metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.arange(rows, dtype=torch.long, device=self.device),
@@ -183,15 +199,72 @@ class TorchModelRunner:
                                               list(range(rows, 0, -1))),
             decode_kernel=kernel,
         )
+        return self._forward(torch.arange(rows, dtype=torch.long, device=self.device),
+                             torch.arange(rows - 1, -1, -1, device=self.device), 1, metadata,
+                             compiled)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 keep: int | torch.Tensor, metadata: PagedAttentionMetadata,
+                 compiled: bool) -> torch.Tensor:
+        """The logits of a ``[T]`` batch's ``keep`` rows; a compiled model takes the
+        metadata through ``forward_metadata`` instead of a keyword."""
+        if compiled:
+            with forward_metadata(metadata):
+                return self.model(input_ids=input_ids[None], position_ids=positions[None],
+                                  use_cache=False, logits_to_keep=keep).logits[0]
+        return self.model(input_ids=input_ids[None], position_ids=positions[None],
+                          use_cache=False, logits_to_keep=keep,
+                          triollm_metadata=metadata).logits[0]
+
+    def _try_decode_kernel(self, kernel: DecodeKernel, specs: dict[int, KVCacheSpec]) -> bool:
         try:
-            self.model(input_ids=torch.zeros(1, rows, dtype=torch.long, device=self.device),
-                       position_ids=torch.arange(rows - 1, -1, -1, device=self.device)[None],
-                       use_cache=False, logits_to_keep=1, triollm_metadata=metadata)
+            self._dummy_decodes(*self._dummy_sizes(specs), kernel, compiled=False)
         except Exception as error:  # compilation needs a working C++ toolchain
             logger.warning("the decode attention %s failed (%s: %s)",
                            getattr(kernel, "__name__", type(kernel).__name__),
                            type(error).__name__, error)
             return False
+        return True
+
+    @torch.inference_mode()
+    def _compile_model(self, specs: dict[int, KVCacheSpec], threads: ComputeThreads) -> bool:
+        """Put the decoder (the model less its head) through ``torch.compile``, dynamic in
+        the step's token count, and compile it now for every shape and thread count it
+        will meet: one token, several tokens (any number: the attention and the packed
+        linears are opaque custom ops), and each count the thread policy may pick, since
+        the compiled code is specialised to the thread count. The compiled forward must
+        give the eager one's logits; if compiling fails or it does not, the model runs
+        eagerly."""
+        decoder = self.model.get_decoder()
+        threads.use_ladder()
+        counts = threads.thread_counts()
+        rows, columns = self._dummy_sizes(specs)
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(counts) + 2)
+        started = time.perf_counter()
+        try:
+            expected = self._dummy_decodes(rows, columns, self.decode_kernel, compiled=False)
+            decoder.compile(dynamic=True)
+            for count in counts:
+                torch.set_num_threads(count)
+                for batch in (1, rows):
+                    got = self._dummy_decodes(batch, columns, self.decode_kernel,
+                                              compiled=True)
+            tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+            scale = float(expected.abs().max()) + 1.0
+            if not torch.allclose(got.float(), expected.float(), rtol=0.0,
+                                  atol=tolerance * scale):
+                raise RuntimeError("the compiled forward's logits differ from the eager one's "
+                                   f"by {float((got - expected).abs().max()):.3g}")
+        except Exception as error:  # a missing or broken C++ toolchain, or a torch bug
+            decoder._compiled_call_impl = None
+            logger.warning("compiling the model failed (%s: %s); it runs eagerly",
+                           type(error).__name__, error)
+            return False
+        finally:
+            torch.set_num_threads(threads.threads)
+        logger.info("compiled the model in %.1f s (thread counts %s)",
+                    time.perf_counter() - started, counts)
         return True
 
     def _num_blocks(self, specs: dict[int, KVCacheSpec]) -> int:
@@ -257,13 +330,7 @@ class TorchModelRunner:
         metadata, input_ids, positions, keep, keep_owner = self._prepare(items)
         forward_started = time.perf_counter()
         try:
-            logits = self.model(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=keep,
-                triollm_metadata=metadata,
-            ).logits[0]
+            logits = self._forward(input_ids, positions, keep, metadata, self.compiled)
             if self.sync_forward_time:
                 torch.cuda.synchronize(self.device)
         finally:
