@@ -54,11 +54,13 @@ def test_serve_flags_map_onto_engine_and_server_options() -> None:
         "serve", "some/model", "--served-model-name", "a", "b", "--port", "9001",
         "--api-key", "k", "--max-model-len", "512", "--no-enable-prefix-caching",
         "--scheduling-policy", "priority", "--allowed-origins", '["https://app.example"]',
-        "--allow-credentials", "--log-level", "warning", "--disable-log-stats"])
+        "--allow-credentials", "--log-level", "warning", "--disable-log-stats",
+        "--optimization-level", "0"])
     namespace.model = namespace.model_tag
     engine = engine_args_from_namespace(namespace, AsyncEngineArgs)
     assert (engine.model, engine.max_model_len, engine.enable_prefix_caching,
-            engine.scheduling_policy) == ("some/model", 512, False, "priority")
+            engine.scheduling_policy, engine.optimization_level) == (
+        "some/model", 512, False, "priority", 0)
     options = server_options_from_namespace(namespace)
     assert options.served_model_names == ("a", "b")
     assert (options.host, options.port, options.api_key) == ("0.0.0.0", 9001, ("k",))

@@ -144,7 +144,8 @@ def test_for_a_compiled_model_the_count_steps_along_a_ladder(
     monkeypatch.setattr(cpu_threads.torch, "get_num_threads", lambda: 12)
     policy = _policy(machine)
     assert policy.thread_counts() == list(range(1, 13))
-    policy.use_ladder()
+    assert policy.ladder() == [1, 2, 4, 8, 12]
+    policy.keep_to(policy.ladder())
     assert policy.thread_counts() == [1, 2, 4, 8, 12]
     machine.others = 5.0  # seven cores left
     machine.advance(0.3)

@@ -109,12 +109,16 @@ class ComputeThreads:
         """Every count ``adjust`` may set, fewest first."""
         return self._allowed if self.adaptive else [self.threads]
 
-    def use_ladder(self) -> None:
-        """Adapt in powers of two (and the most) only: a compiled model is compiled once
-        per thread count (torch.compile guards on it), so the counts must be few."""
-        self._allowed = sorted({self.max_threads} | {
-            1 << power for power in range(self.max_threads.bit_length())
-            if 1 << power < self.max_threads})
+    def ladder(self) -> list[int]:
+        """Powers of two and the most, of the counts ``adjust`` may set: few enough to
+        compile a model for each (torch.compile specialises to the thread count)."""
+        return [count for count in self.thread_counts()
+                if count == self.max_threads or count & (count - 1) == 0]
+
+    def keep_to(self, counts: list[int]) -> None:
+        """From now on set only these counts (rounding down): those a model was compiled
+        for."""
+        self._allowed = sorted(set(counts) | {1})
 
     def adjust(self) -> int:
         """Re-decide the thread count if a window has passed; returns the count."""

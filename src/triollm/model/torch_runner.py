@@ -236,8 +236,7 @@ class TorchModelRunner:
         give the eager one's logits; if compiling fails or it does not, the model runs
         eagerly."""
         decoder = self.model.get_decoder()
-        threads.use_ladder()
-        counts = threads.thread_counts()
+        counts = threads.ladder()
         rows, columns = self._dummy_sizes(specs)
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(counts) + 2)
@@ -263,6 +262,7 @@ class TorchModelRunner:
             return False
         finally:
             torch.set_num_threads(threads.threads)
+        threads.keep_to(counts)
         logger.info("compiled the model in %.1f s (thread counts %s)",
                     time.perf_counter() - started, counts)
         return True
