@@ -5,6 +5,7 @@ fails."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from pathlib import Path
 
@@ -29,23 +30,23 @@ BLOCK = 4
 
 def _decode_outputs(lens: list[int], kv_heads: int, q_heads: int, sliding_window: int | None,
                     softcap: float | None, seed: int, kernel: object,
-                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                    dtype: torch.dtype = torch.float32, dim: int = 8,
+                    block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention layer's output for single-token queries of contexts ``lens``, with
     ``kernel`` and with the gather path, over the same cache."""
     generator = torch.Generator().manual_seed(seed)
     module = torch.nn.Module()
-    dim = 8
     cache = PagedKVCache({id(module): KVCacheSpec(kv_heads, dim)}, num_blocks=64,
-                         block_size=BLOCK, dtype=dtype, device=torch.device("cpu"))
+                         block_size=block, dtype=dtype, device=torch.device("cpu"))
     cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=generator))
     cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=generator))
-    widths = [-(-n // BLOCK) for n in lens]
+    widths = [-(-n // block) for n in lens]
     blocks = torch.randperm(64, generator=generator).tolist()
     tables = []
     for width in widths:
         tables.append(blocks[:width] + [0] * (max(widths) - width))
         blocks = blocks[width:]
-    slots = [table[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK
+    slots = [table[(n - 1) // block] * block + (n - 1) % block
              for table, n in zip(tables, lens, strict=True)]
     group = DecodeGroup(0, len(lens), torch.tensor(tables), torch.tensor(lens))
     tokens = len(lens)
@@ -83,6 +84,33 @@ def test_kernels_match_the_gather_path(lens: list[int], kv_heads: int, q_heads: 
         fused, gathered = _decode_outputs(lens, kv_heads, q_heads, sliding_window, softcap,
                                           seed=len(lens), kernel=chosen,
                                           dtype=torch.bfloat16)
+        torch.testing.assert_close(fused, gathered, atol=2e-5, rtol=1e-5)
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        return " avx512f " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["as-built", "portable"])
+@pytest.mark.parametrize(("dim", "block"), [(8, 4), (16, 4), (64, 16), (80, 8), (128, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_c_kernel_paths_match_the_gather_path(dim: int, block: int, portable: bool,
+                                                   dtype: torch.dtype) -> None:
+    """The AVX-512 path (head sizes that are multiples of 16; runs of 16 tokens inside a
+    32-token block) and the portable one that CPUs without AVX-512 run, built here."""
+    kernel = cpu_decode.CpuDecodeKernel(ctypes.CDLL(str(cpu_decode._build(portable))))
+    assert kernel.vectorized(dim) == (not portable and dim % 16 == 0 and _cpu_has_avx512())
+    for lens, kv_heads, q_heads, window, softcap in [
+            ([70, 33, 1, 16, 17], 2, 2, None, None),
+            ([45, 12, 31], 2, 6, None, None),
+            ([90, 40, 3], 1, 2, 37, None),
+            ([64, 5], 2, 4, None, 7.5)]:
+        fused, gathered = _decode_outputs(lens, kv_heads, q_heads, window, softcap,
+                                          seed=dim + len(lens), kernel=kernel, dtype=dtype,
+                                          dim=dim, block=block)
         torch.testing.assert_close(fused, gathered, atol=2e-5, rtol=1e-5)
 
 

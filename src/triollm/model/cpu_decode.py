@@ -9,6 +9,14 @@ head) pairs on torch's OpenMP runtime with torch's thread count, so the compute-
 policy (``cpu_threads.py``) governs it too. Scores and sums are fp32; the cache may be
 fp32 or bf16.
 
+Two paths share the source. Where the compiler targets AVX-512 and the head size is a
+multiple of 16 (up to 256), one pass over the blocks keeps a query head's output row in
+vector registers and folds each run of up to 16 scores into an online softmax with a
+vector exp: no scratch memory, K and V each read once. Elsewhere a portable loop (auto-
+vectorised by the compiler) writes all scores, takes the softmax, then sums V. Tests build
+the portable one here too (``_build(portable=True)``), so CPUs without AVX-512 run code
+that was checked.
+
 The kernel is compiled with ``-O3 -march=native`` for the CPU it runs on, into a cache
 directory keyed by the source, the compiler and the CPU's flags, so a cache carried to
 another machine is never reused there. Without a working compiler ``load_kernel``
@@ -124,12 +132,133 @@ static inline __attribute__((always_inline)) void NAME(                         
 DEFINE_ATTEND(attend_f32, float, AS_FLOAT)
 DEFINE_ATTEND(attend_bf16, uint16_t, FROM_BF16)
 
+#if defined(__AVX512F__) && !defined(TRIOLLM_PORTABLE)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+
+static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
+
+static inline __m512 load16_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+/* e^x for x <= 0: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial in r, scaled by
+   2^n; within 2 ulp of expf on [-87, 0], and 0 below (where expf is below 2^-125). */
+static inline __m512 exp16(__m512 x) {
+    const __m512 floor_ = _mm512_set1_ps(-87.0f);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor_, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, floor_);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
+}
+
+/* The same (sequence, KV head) work in one pass over the blocks with an online softmax:
+   up to 16 tokens' scores at a time in one vector, the running maximum and sum, and the
+   output rows in registers (dim = 16 * CHUNKS; CHUNKS 0 means dim / 16, read at run
+   time). No scratch memory. */
+#define DEFINE_ATTEND16(NAME, CACHE_T, LOAD16, CHUNKS)                                  \
+static void NAME(                                                                       \
+    const float* query, const CACHE_T* keys, const CACHE_T* vals,                       \
+    const int64_t* row_table, float* out,                                               \
+    int64_t groups, int64_t block_size, int64_t dim, int64_t start, int64_t ctx,        \
+    float scale, float softcap)                                                         \
+{                                                                                       \
+    const int64_t chunks = CHUNKS > 0 ? CHUNKS : dim / 16;                              \
+    for (int64_t g = 0; g < groups; g++) {                                              \
+        __m512 q[CHUNKS > 0 ? CHUNKS : 16], acc[CHUNKS > 0 ? CHUNKS : 16];              \
+        for (int64_t c = 0; c < chunks; c++) {                                          \
+            q[c] = _mm512_mul_ps(_mm512_loadu_ps(query + g * dim + 16 * c),             \
+                                 _mm512_set1_ps(scale));                                \
+            acc[c] = _mm512_setzero_ps();                                               \
+        }                                                                               \
+        float top = -INFINITY, total = 0.0f;                                            \
+        float weights[16] __attribute__((aligned(64)));                                 \
+        for (int64_t blk = start / block_size; blk * block_size < ctx; blk++) {        \
+            const int64_t first = blk * block_size;                                     \
+            const CACHE_T* kb = keys + row_table[blk] * block_size * dim;               \
+            const CACHE_T* vb = vals + row_table[blk] * block_size * dim;               \
+            const int64_t begin = first < start ? start - first : 0;                    \
+            const int64_t end = ctx - first < block_size ? ctx - first : block_size;    \
+            for (int64_t j0 = begin; j0 < end; j0 += 16) {                              \
+                const int64_t count = end - j0 < 16 ? end - j0 : 16;                    \
+                for (int64_t t = 0; t < count; t++) {                                   \
+                    const CACHE_T* k = kb + (j0 + t) * dim;                             \
+                    __m512 dot = _mm512_mul_ps(q[0], LOAD16(k));                        \
+                    for (int64_t c = 1; c < chunks; c++)                                \
+                        dot = _mm512_fmadd_ps(q[c], LOAD16(k + 16 * c), dot);           \
+                    weights[t] = _mm512_reduce_add_ps(dot);                             \
+                }                                                                       \
+                if (softcap > 0.0f)                                                     \
+                    for (int64_t t = 0; t < count; t++)                                 \
+                        weights[t] = tanhf(weights[t] / softcap) * softcap;             \
+                const __mmask16 valid = (__mmask16)((1u << count) - 1u);                \
+                const __m512 s = _mm512_maskz_load_ps(valid, weights);                  \
+                const float block_top = _mm512_mask_reduce_max_ps(valid, s);            \
+                const float new_top = block_top > top ? block_top : top;                \
+                const __m512 p = _mm512_maskz_mov_ps(                                   \
+                    valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_top))));           \
+                if (new_top > top) {                                                    \
+                    const float shrink = expf(top - new_top);                           \
+                    total *= shrink;                                                    \
+                    for (int64_t c = 0; c < chunks; c++)                                \
+                        acc[c] = _mm512_mul_ps(acc[c], _mm512_set1_ps(shrink));         \
+                    top = new_top;                                                      \
+                }                                                                       \
+                total += _mm512_reduce_add_ps(p);                                       \
+                _mm512_store_ps(weights, p);                                            \
+                for (int64_t t = 0; t < count; t++) {                                   \
+                    const CACHE_T* v = vb + (j0 + t) * dim;                             \
+                    const __m512 w = _mm512_set1_ps(weights[t]);                        \
+                    for (int64_t c = 0; c < chunks; c++)                                \
+                        acc[c] = _mm512_fmadd_ps(w, LOAD16(v + 16 * c), acc[c]);        \
+                }                                                                       \
+            }                                                                           \
+        }                                                                               \
+        const __m512 inverse = _mm512_set1_ps(1.0f / total);                            \
+        for (int64_t c = 0; c < chunks; c++)                                            \
+            _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[c], inverse));   \
+    }                                                                                   \
+}
+
+DEFINE_ATTEND16(attend16_f32_d64, float, load16_f32, 4)
+DEFINE_ATTEND16(attend16_bf16_d64, uint16_t, load16_bf16, 4)
+DEFINE_ATTEND16(attend16_f32_d128, float, load16_f32, 8)
+DEFINE_ATTEND16(attend16_bf16_d128, uint16_t, load16_bf16, 8)
+DEFINE_ATTEND16(attend16_f32, float, load16_f32, 0)
+DEFINE_ATTEND16(attend16_bf16, uint16_t, load16_bf16, 0)
+#else
+#define HAVE_AVX512 0
+#endif
+
 #define CALL_ATTEND(FUNCTION, CACHE_T)                                                  \
     FUNCTION(query + (b * q_heads + h * groups) * dim,                                  \
              (const CACHE_T*)key_cache + h * num_blocks * block_size * dim,             \
              (const CACHE_T*)value_cache + h * num_blocks * block_size * dim,           \
              tables + b * max_blocks, scores, out + (b * q_heads + h * groups) * dim,   \
              groups, block_size, dim, start, ctx, scale, softcap)
+
+#define CALL_ATTEND16(FUNCTION, CACHE_T)                                                \
+    FUNCTION(query + (b * q_heads + h * groups) * dim,                                  \
+             (const CACHE_T*)key_cache + h * num_blocks * block_size * dim,             \
+             (const CACHE_T*)value_cache + h * num_blocks * block_size * dim,           \
+             tables + b * max_blocks, out + (b * q_heads + h * groups) * dim,           \
+             groups, block_size, dim, start, ctx, scale, softcap)
+
+/* Which path this build runs for head size `dim`: 1 the vector one, 0 the portable. */
+int triollm_paged_decode_vectorized(int64_t dim) {
+    return HAVE_AVX512 && dim % 16 == 0 && dim <= 256;
+}
 
 int triollm_paged_decode(
     const float* query, const void* key_cache, const void* value_cache,
@@ -138,25 +267,41 @@ int triollm_paged_decode(
     int64_t block_size, int64_t dim, int64_t max_blocks, float scale,
     int64_t window, float softcap, int cache_is_bf16, int threads)
 {
-    int64_t groups = q_heads / kv_heads;
+    const int64_t groups = q_heads / kv_heads;
+    const int vectorized = triollm_paged_decode_vectorized(dim);
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; b++)
         longest = context_lens[b] > longest ? context_lens[b] : longest;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float* scores = (float*)malloc(sizeof(float) * (size_t)(groups * (longest + 1)));
-        if (scores == NULL) {
+        float* scores = vectorized ? NULL
+            : (float*)malloc(sizeof(float) * (size_t)(groups * (longest + 1)));
+        if (!vectorized && scores == NULL) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t b = 0; b < batch; b++) {
             for (int64_t h = 0; h < kv_heads; h++) {
-                if (scores == NULL) continue;
                 const int64_t ctx = context_lens[b];
                 const int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
                 if (ctx - start <= 0) continue;
+#if HAVE_AVX512
+                if (vectorized) {
+                    if (cache_is_bf16) {
+                        if (dim == 64) CALL_ATTEND16(attend16_bf16_d64, uint16_t);
+                        else if (dim == 128) CALL_ATTEND16(attend16_bf16_d128, uint16_t);
+                        else CALL_ATTEND16(attend16_bf16, uint16_t);
+                    } else {
+                        if (dim == 64) CALL_ATTEND16(attend16_f32_d64, float);
+                        else if (dim == 128) CALL_ATTEND16(attend16_f32_d128, float);
+                        else CALL_ATTEND16(attend16_f32, float);
+                    }
+                    continue;
+                }
+#endif
+                if (scores == NULL) continue;
                 if (cache_is_bf16) {
                     CALL_ATTEND(attend_bf16, uint16_t);
                 } else {
@@ -194,11 +339,14 @@ def _compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
-def _build() -> Path:
+def _build(portable: bool = False) -> Path:
+    """The compiled kernel's path; ``portable`` leaves out the AVX-512 path, so a test
+    can run here what a CPU without AVX-512 runs."""
     compiler = _compiler()
+    flags = [*_FLAGS, "-DTRIOLLM_PORTABLE"] if portable else _FLAGS
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), version,
+    key = hashlib.sha256("\0".join([_SOURCE, " ".join(flags), version,
                                     _cpu_signature()]).encode()).hexdigest()[:20]
     target = _cache_dir() / f"paged_decode_{key}.so"
     if target.exists():
@@ -208,7 +356,7 @@ def _build() -> Path:
         source = Path(work) / "paged_decode.c"
         source.write_text(_SOURCE)
         built = Path(work) / "paged_decode.so"
-        subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
+        subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
                        check=True, capture_output=True, text=True, timeout=300)
         os.replace(built, target)  # atomic: concurrent builders each install a whole file
     return target
@@ -224,6 +372,13 @@ class CpuDecodeKernel:
                                                           ctypes.c_int]
         function.restype = ctypes.c_int
         self._function = function
+        self._vectorized = library.triollm_paged_decode_vectorized
+        self._vectorized.argtypes = [ctypes.c_int64]
+        self._vectorized.restype = ctypes.c_int
+
+    def vectorized(self, head_size: int) -> bool:
+        """Whether heads of ``head_size`` take the AVX-512 path (else the portable one)."""
+        return bool(self._vectorized(head_size))
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -257,21 +412,24 @@ class CpuDecodeKernel:
 
 def _agrees_with_torch(kernel: CpuDecodeKernel) -> bool:
     """The kernel's answer on small random inputs (GQA, a sliding window, softcap, fp32
-    and bf16 caches) against ``paged_decode_attention`` run eagerly."""
+    and bf16 caches, head sizes that take each path) against ``paged_decode_attention``
+    run eagerly."""
     from triollm.model.attention import paged_decode_attention
 
     generator = torch.Generator().manual_seed(0)
-    for dtype, window, softcap in ((torch.float32, None, None), (torch.bfloat16, 9, 30.0)):
-        query = torch.randn(3, 4, 16, generator=generator)
-        keys = torch.randn(2, 8, 4, 16, generator=generator).to(dtype)
-        values = torch.randn(2, 8, 4, 16, generator=generator).to(dtype)
-        tables = torch.tensor([[5, 2, 7, 0], [1, 3, 0, 0], [6, 4, 0, 0]])
-        lens = torch.tensor([15, 7, 1])
-        expected = paged_decode_attention(query, keys.float(), values.float(), tables, lens,
-                                          0.25, window, softcap)
-        got = kernel(query, keys, values, tables, lens, 0.25, window, softcap)
-        if not torch.allclose(got, expected, atol=1e-5, rtol=1e-4):
-            return False
+    cases = ((torch.float32, None, None), (torch.bfloat16, 9, 30.0))
+    for dim in (8, 16, 64, 128):
+        for dtype, window, softcap in cases:
+            query = torch.randn(3, 4, dim, generator=generator)
+            keys = torch.randn(2, 8, 4, dim, generator=generator).to(dtype)
+            values = torch.randn(2, 8, 4, dim, generator=generator).to(dtype)
+            tables = torch.tensor([[5, 2, 7, 0], [1, 3, 0, 0], [6, 4, 0, 0]])
+            lens = torch.tensor([15, 7, 1])
+            expected = paged_decode_attention(query, keys.float(), values.float(), tables,
+                                              lens, 0.25, window, softcap)
+            got = kernel(query, keys, values, tables, lens, 0.25, window, softcap)
+            if not torch.allclose(got, expected, atol=1e-5, rtol=1e-4):
+                return False
     return True
 
 
