@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from triollm import LLM, SamplingParams
-from triollm.model import cpu_decode, torch_runner
+from triollm.model import cpu_decode, native_build, torch_runner
 from triollm.model.attention import (
     DecodeGroup,
     KVCacheSpec,
@@ -87,13 +87,6 @@ def test_kernels_match_the_gather_path(lens: list[int], kv_heads: int, q_heads: 
         torch.testing.assert_close(fused, gathered, atol=2e-5, rtol=1e-5)
 
 
-def _cpu_has_avx512() -> bool:
-    try:
-        return " avx512f " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("portable", [False, True], ids=["as-built", "portable"])
 @pytest.mark.parametrize(("dim", "block"), [(8, 4), (16, 4), (64, 16), (80, 8), (128, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -102,7 +95,8 @@ def test_both_c_kernel_paths_match_the_gather_path(dim: int, block: int, portabl
     """The AVX-512 path (head sizes that are multiples of 16; runs of 16 tokens inside a
     32-token block) and the portable one that CPUs without AVX-512 run, built here."""
     kernel = cpu_decode.CpuDecodeKernel(ctypes.CDLL(str(cpu_decode._build(portable))))
-    assert kernel.vectorized(dim) == (not portable and dim % 16 == 0 and _cpu_has_avx512())
+    has_avx512 = "avx512f" in native_build.cpu_flags()
+    assert kernel.vectorized(dim) == (not portable and dim % 16 == 0 and has_avx512)
     for lens, kv_heads, q_heads, window, softcap in [
             ([70, 33, 1, 16, 17], 2, 2, None, None),
             ([45, 12, 31], 2, 6, None, None),
@@ -173,7 +167,7 @@ def test_the_kernel_builds_into_a_cache_keyed_by_the_machine(
     monkeypatch.setenv("TRIOLLM_CACHE", str(tmp_path))
     first = cpu_decode._build()
     assert first.parent == tmp_path / "kernels" and cpu_decode._build() == first
-    monkeypatch.setattr(cpu_decode, "_cpu_signature", lambda: "model name: another CPU")
+    monkeypatch.setattr(native_build, "cpu_signature", lambda: "model name: another CPU")
     assert cpu_decode._build() != first
 
 

@@ -1,6 +1,7 @@
-"""CPU linear layers on oneDNN-packed weights compute what the original layers compute,
-leave shared (tied) weights alone, and fall back to the original layer when oneDNN
-cannot be trusted."""
+"""CPU linear layers on packed weights (the AVX512-BF16 kernel for bf16 where the CPU has
+it, oneDNN otherwise) compute what the original layers compute, leave shared (tied)
+weights alone, and fall back to the original layer when the packed product cannot be
+trusted."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from triollm import LLM
-from triollm.model import packed_linear
+from triollm.model import native_build, packed_linear
+from triollm.model.cpu_gemm import load_gemm
 from triollm.model.packed_linear import PackedLinear, pack_linear_layers, padded_rows
 from triollm.testing import TINY_FAMILIES
 
@@ -119,3 +123,36 @@ def test_the_cpu_runner_packs_its_model(llama_path: Path, llama_llm: LLM) -> Non
     model = llama_llm.engine.runner.model
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == len(_packable(
         _load(llama_path, torch.float32)))
+
+
+def test_bf16_layers_take_the_avx512_bf16_kernel_where_the_cpu_has_it() -> None:
+    """The kernel loads exactly where the CPU has AVX512-BF16 (this machine has a C
+    compiler); there, bf16 weights that fit it use it and the rest stay on oneDNN."""
+    gemm = load_gemm()
+    assert (gemm is not None) == ("avx512_bf16" in native_build.cpu_flags())
+    fits = PackedLinear(torch.randn(48, 40).bfloat16(), None)
+    odd_width = PackedLinear(torch.randn(24, 40).bfloat16(), None)  # 24 outputs: not 16k
+    fp32 = PackedLinear(torch.randn(48, 40), None)
+    assert fits.packed_weight.is_mkldnn == (gemm is None)
+    assert odd_width.packed_weight.is_mkldnn and fp32.packed_weight.is_mkldnn
+
+
+@given(rows=st.integers(0, 40), blocks=st.integers(1, 6), pairs=st.integers(1, 70),
+       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_bf16_kernel_gives_the_fp32_product_to_bf16_rounding(
+        rows: int, blocks: int, pairs: int, with_bias: bool, seed: int) -> None:
+    """Any row count (full and partial tiles of 8 rows), one or two 16-wide output blocks
+    per tile, any even input width, with and without a bias."""
+    gemm = load_gemm()
+    if gemm is None:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(16 * blocks, 2 * pairs, generator=generator).bfloat16()
+    bias = torch.randn(16 * blocks, generator=generator).bfloat16() if with_bias else None
+    x = torch.randn(1, rows, 2 * pairs, generator=generator).bfloat16()
+    got = PackedLinear(weight, bias)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 16 * blocks)
+    expected = nn.functional.linear(x.float(), weight.float(),
+                                    None if bias is None else bias.float())
+    scale = float(expected.abs().max()) if rows else 1.0
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * scale)

@@ -17,24 +17,22 @@ vectorised by the compiler) writes all scores, takes the softmax, then sums V. T
 the portable one here too (``_build(portable=True)``), so CPUs without AVX-512 run code
 that was checked.
 
-The kernel is compiled with ``-O3 -march=native`` for the CPU it runs on, into a cache
-directory keyed by the source, the compiler and the CPU's flags, so a cache carried to
-another machine is never reused there. Without a working compiler ``load_kernel``
-returns None and the runner falls back to the compiled or gathering path.
+The kernel is compiled for the CPU it runs on (native_build.py). Without a working
+compiler ``load_kernel`` returns None and the runner falls back to the compiled or
+gathering path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
 import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
+
+from triollm.model.native_build import FLAGS, build
 
 __all__ = ["CpuDecodeKernel", "load_kernel"]
 
@@ -315,51 +313,11 @@ int triollm_paged_decode(
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-
-
-def _cpu_signature() -> str:
-    """What the compiled code depends on: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return os.uname().machine
-    lines = [line for line in text.splitlines()
-             if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("TRIOLLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "triollm")
-    return Path(base) / "kernels"
-
-
-def _compiler() -> str:
-    return os.environ.get("CC", "cc")
-
-
 def _build(portable: bool = False) -> Path:
     """The compiled kernel's path; ``portable`` leaves out the AVX-512 path, so a test
     can run here what a CPU without AVX-512 runs."""
-    compiler = _compiler()
-    flags = [*_FLAGS, "-DTRIOLLM_PORTABLE"] if portable else _FLAGS
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             check=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([_SOURCE, " ".join(flags), version,
-                                    _cpu_signature()]).encode()).hexdigest()[:20]
-    target = _cache_dir() / f"paged_decode_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        source = Path(work) / "paged_decode.c"
-        source.write_text(_SOURCE)
-        built = Path(work) / "paged_decode.so"
-        subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=300)
-        os.replace(built, target)  # atomic: concurrent builders each install a whole file
-    return target
+    flags = [*FLAGS, "-DTRIOLLM_PORTABLE"] if portable else FLAGS
+    return build("paged_decode", _SOURCE, flags)
 
 
 class CpuDecodeKernel:
