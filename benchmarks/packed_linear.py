@@ -1,5 +1,7 @@
-"""Linear layers alone: aten's ``linear`` on the loaded weights against oneDNN's linear
-on weights packed once (``triollm.model.packed_linear``), on the same weights.
+"""Linear layers alone, on the same weights: aten's ``linear`` on the loaded weights,
+oneDNN's linear on weights packed once into its layout, and ``PackedLinear`` as the
+engine builds it (``triollm.model.packed_linear``: for bf16 on a CPU with AVX512-BF16 the
+kernel of ``triollm.model.cpu_gemm``, else oneDNN, so the last two columns then agree).
 
 Every linear layer of the benchmarks' Llama (12 layers, hidden 768, the serving
 benchmark's 512-token vocabulary), ``M`` rows of input each: ``M=1`` is a lone decode
@@ -18,7 +20,8 @@ import torch
 from torch import nn
 
 from common import timed
-from triollm.model.packed_linear import PackedLinear
+from triollm.model.cpu_gemm import load_gemm
+from triollm.model.packed_linear import PackedLinear, _linear
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 768, 2048, 12, 512
 
@@ -33,6 +36,11 @@ def model_weights(dtype: torch.dtype) -> list[torch.Tensor]:
 def run_aten(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> None:
     for weight in weights:
         nn.functional.linear(inputs[weight.shape[1]], weight)
+
+
+def run_onednn(packed: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> None:
+    for weight, width in packed:
+        _linear(inputs[width], weight, None)
 
 
 def run_packed(layers: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> None:
@@ -50,19 +58,26 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; all "
-          f"{LAYERS * 7 + 1} linears of the benchmarks' Llama; median of {args.repeats}")
-    print(f"{'dtype':>9} {'rows':>5} {'aten linear':>12} {'packed':>10} {'speed-up':>9}")
+          f"{LAYERS * 7 + 1} linears of the benchmarks' Llama; median of {args.repeats}; "
+          f"AVX512-BF16 kernel {'loaded' if load_gemm() else 'not available'}")
+    print(f"{'dtype':>9} {'rows':>5} {'aten linear':>12} {'oneDNN':>10} {'triollm':>10} "
+          f"{'vs aten':>8} {'vs oneDNN':>9}")
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         weights = model_weights(dtype)
+        onednn_weights = [(torch.ops.mkldnn._reorder_linear_weight(weight), weight.shape[1])
+                          for weight in weights]
         packed = [PackedLinear(weight, None) for weight in weights]
         for rows in args.rows:
             inputs = {width: torch.randn(rows, width, dtype=dtype)
                       for width in (HIDDEN, INTERMEDIATE)}
             aten = timed(functools.partial(run_aten, weights, inputs), args.repeats)
-            onednn = timed(functools.partial(run_packed, packed, inputs), args.repeats)
+            onednn = timed(functools.partial(run_onednn, onednn_weights, inputs),
+                           args.repeats)
+            ours = timed(functools.partial(run_packed, packed, inputs), args.repeats)
             print(f"{dtype_name:>9} {rows:5d} {1000 * aten:9.2f} ms {1000 * onednn:7.2f} ms "
-                  f"{aten / onednn:8.2f}x", flush=True)
+                  f"{1000 * ours:7.2f} ms {aten / ours:7.2f}x {onednn / ours:8.2f}x",
+                  flush=True)
 
 
 if __name__ == "__main__":
