@@ -1,6 +1,8 @@
 """Decode attention alone: the C kernel (model/cpu_decode.py, over an fp32 and a bf16
-cache) and the compiled kernel, which read KV blocks in place, against gathering the
-blocks and calling SDPA (the ``enforce_eager`` path), on the same cache.
+cache, and its portable path over the bf16 cache: what CPUs without AVX-512 run, the
+kernel as it was before its one-pass path) and the compiled kernel, which read KV
+blocks in place, against gathering the blocks and calling SDPA (the ``enforce_eager``
+path), on the same cache.
 
 One attention layer of the benchmarks' Llama (12 heads of 64, 16-token blocks), ``B``
 single-token queries over contexts of ``L`` tokens in blocks scattered over a
@@ -18,6 +20,7 @@ the runner gives the kernel (``_KERNEL_PADDING_KEYS``).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 
 import torch
@@ -74,8 +77,10 @@ def main() -> None:
     if args.mixed:
         mixed(module, cache, args.mixed, args.repeats, blocks)
         return
+    portable = cpu_decode.CpuDecodeKernel(ctypes.CDLL(str(cpu_decode._build(portable=True))))
     print(f"{'batch x context':>16} {'gather + SDPA':>14} {'compiled':>10} {'C fp32':>10} "
-          f"{'C bf16':>10} {'C bf16 vs compiled':>19}")
+          f"{'C bf16':>10} {'portable bf16':>14} {'C bf16 vs compiled':>19} "
+          f"{'vs portable':>12}")
     for shape in args.shapes:
         batch, context = map(int, shape.split("x"))
         width = -(-context // BLOCK)
@@ -88,14 +93,17 @@ def main() -> None:
         results = {}
         for label, each, on in (("gather", None, cache),
                                 ("compiled", compiled_paged_decode_attention, cache),
-                                ("C fp32", kernel, cache), ("C bf16", kernel, bf16_cache)):
+                                ("C fp32", kernel, cache), ("C bf16", kernel, bf16_cache),
+                                ("portable", portable, bf16_cache)):
             metadata = PagedAttentionMetadata(kv_cache=on, slot_mapping=slots,
                                               decode_groups=[group], decode_kernel=each)
             results[label] = timed(functools.partial(
                 _forward, module, query, key, value, metadata), args.repeats)
         print(f"{shape:>16} {results['gather'] * 1e3:11.3f} ms {results['compiled'] * 1e3:7.3f} ms"
               f" {results['C fp32'] * 1e3:7.3f} ms {results['C bf16'] * 1e3:7.3f} ms"
-              f" {results['compiled'] / results['C bf16']:18.2f}x", flush=True)
+              f" {results['portable'] * 1e3:11.3f} ms"
+              f" {results['compiled'] / results['C bf16']:18.2f}x"
+              f" {results['portable'] / results['C bf16']:11.2f}x", flush=True)
 
 
 def mixed(module: torch.nn.Module, cache: PagedKVCache, steps: list[str], repeats: int,
