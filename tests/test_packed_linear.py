@@ -37,10 +37,16 @@ def _packable(model: nn.Module) -> list[str]:
             if type(module) in (nn.Linear, Conv1D) and uses[id(module.weight)] == 1]
 
 
+@pytest.mark.parametrize("onednn_only", [False, True], ids=["as-here", "no-avx512-bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_packed_model_gives_the_same_logits(family: str, dtype: torch.dtype,
-                                            tiny_models: dict[str, Path]) -> None:
+                                            onednn_only: bool, tiny_models: dict[str, Path],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``onednn_only``: as on a CPU without AVX512-BF16, where bf16 layers stay on
+    oneDNN."""
+    if onednn_only:
+        monkeypatch.setattr(packed_linear, "load_gemm", lambda: None)
     plain = _load(tiny_models[family], dtype)
     packed = _load(tiny_models[family], dtype)
     expected_names = _packable(packed)
@@ -49,6 +55,8 @@ def test_packed_model_gives_the_same_logits(family: str, dtype: torch.dtype,
     assert pack_linear_layers(packed) == len(expected_names)
     modules = dict(packed.named_modules())
     assert all(isinstance(modules[name], PackedLinear) for name in expected_names)
+    if onednn_only:
+        assert all(modules[name].packed_weight.is_mkldnn for name in expected_names)
 
     ids = torch.randint(4, 500, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
