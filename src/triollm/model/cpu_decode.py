@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from triollm.model.native_build import FLAGS, build
+from triollm.model.native_build import FLAGS, build, load_library
 
 __all__ = ["CpuDecodeKernel", "load_kernel"]
 
@@ -164,14 +163,15 @@ static inline __m512 exp16(__m512 x) {
 /* The same (sequence, KV head) work in one pass over the blocks with an online softmax:
    up to 16 tokens' scores at a time in one vector, the running maximum and sum, and the
    output rows in registers (dim = 16 * CHUNKS; CHUNKS 0 means dim / 16, read at run
-   time). No scratch memory. */
+   time). No scratch memory: `scores` is there only so one call macro serves both paths. */
 #define DEFINE_ATTEND16(NAME, CACHE_T, LOAD16, CHUNKS)                                  \
 static void NAME(                                                                       \
     const float* query, const CACHE_T* keys, const CACHE_T* vals,                       \
-    const int64_t* row_table, float* out,                                               \
+    const int64_t* row_table, float* scores, float* out,                                \
     int64_t groups, int64_t block_size, int64_t dim, int64_t start, int64_t ctx,        \
     float scale, float softcap)                                                         \
 {                                                                                       \
+    (void)scores;                                                                       \
     const int64_t chunks = CHUNKS > 0 ? CHUNKS : dim / 16;                              \
     for (int64_t g = 0; g < groups; g++) {                                              \
         __m512 q[CHUNKS > 0 ? CHUNKS : 16], acc[CHUNKS > 0 ? CHUNKS : 16];              \
@@ -246,13 +246,6 @@ DEFINE_ATTEND16(attend16_bf16, uint16_t, load16_bf16, 0)
              tables + b * max_blocks, scores, out + (b * q_heads + h * groups) * dim,   \
              groups, block_size, dim, start, ctx, scale, softcap)
 
-#define CALL_ATTEND16(FUNCTION, CACHE_T)                                                \
-    FUNCTION(query + (b * q_heads + h * groups) * dim,                                  \
-             (const CACHE_T*)key_cache + h * num_blocks * block_size * dim,             \
-             (const CACHE_T*)value_cache + h * num_blocks * block_size * dim,           \
-             tables + b * max_blocks, out + (b * q_heads + h * groups) * dim,           \
-             groups, block_size, dim, start, ctx, scale, softcap)
-
 /* Which path this build runs for head size `dim`: 1 the vector one, 0 the portable. */
 int triollm_paged_decode_vectorized(int64_t dim) {
     return HAVE_AVX512 && dim % 16 == 0 && dim <= 256;
@@ -288,13 +281,13 @@ int triollm_paged_decode(
 #if HAVE_AVX512
                 if (vectorized) {
                     if (cache_is_bf16) {
-                        if (dim == 64) CALL_ATTEND16(attend16_bf16_d64, uint16_t);
-                        else if (dim == 128) CALL_ATTEND16(attend16_bf16_d128, uint16_t);
-                        else CALL_ATTEND16(attend16_bf16, uint16_t);
+                        if (dim == 64) CALL_ATTEND(attend16_bf16_d64, uint16_t);
+                        else if (dim == 128) CALL_ATTEND(attend16_bf16_d128, uint16_t);
+                        else CALL_ATTEND(attend16_bf16, uint16_t);
                     } else {
-                        if (dim == 64) CALL_ATTEND16(attend16_f32_d64, float);
-                        else if (dim == 128) CALL_ATTEND16(attend16_f32_d128, float);
-                        else CALL_ATTEND16(attend16_f32, float);
+                        if (dim == 64) CALL_ATTEND(attend16_f32_d64, float);
+                        else if (dim == 128) CALL_ATTEND(attend16_f32_d128, float);
+                        else CALL_ATTEND(attend16_f32, float);
                     }
                     continue;
                 }
@@ -316,8 +309,7 @@ int triollm_paged_decode(
 def _build(portable: bool = False) -> Path:
     """The compiled kernel's path; ``portable`` leaves out the AVX-512 path, so a test
     can run here what a CPU without AVX-512 runs."""
-    flags = [*FLAGS, "-DTRIOLLM_PORTABLE"] if portable else FLAGS
-    return build("paged_decode", _SOURCE, flags)
+    return build("paged_decode", _SOURCE, [*FLAGS, "-DTRIOLLM_PORTABLE"] if portable else FLAGS)
 
 
 class CpuDecodeKernel:
@@ -395,13 +387,10 @@ def _agrees_with_torch(kernel: CpuDecodeKernel) -> bool:
 def load_kernel() -> CpuDecodeKernel | None:
     """The kernel for this machine, built on first use and checked against torch; None
     where it cannot be built (no C compiler, say) or disagrees, with the reason logged."""
-    try:
-        kernel = CpuDecodeKernel(ctypes.CDLL(str(_build())))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or ""
-        logger.warning("building the CPU decode attention kernel failed (%s: %s %s)",
-                       type(error).__name__, error, detail.strip()[:500])
+    library = load_library("paged_decode", _SOURCE, "CPU decode attention kernel")
+    if library is None:
         return None
+    kernel = CpuDecodeKernel(library)
     if not _agrees_with_torch(kernel):
         logger.warning("the CPU decode attention kernel disagrees with torch here; not "
                        "using it")

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 from functools import cache
 
 import torch
 
-from triollm.model.native_build import build
+from triollm.model.native_build import load_library
 
 __all__ = ["CpuGemm", "load_gemm"]
 
@@ -182,15 +181,8 @@ def _agrees_with_torch(gemm: CpuGemm) -> bool:
 def load_gemm() -> CpuGemm | None:
     """The kernel for this machine, built on first use and checked against torch; None
     where the CPU lacks AVX512-BF16, there is no C compiler, or it disagrees."""
-    try:
-        library = ctypes.CDLL(str(build("gemm_bf16", _SOURCE)))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or ""
-        logger.warning("building the bf16 GEMM kernel failed (%s: %s %s); bf16 linear "
-                       "layers stay on oneDNN", type(error).__name__, error,
-                       detail.strip()[:500])
-        return None
-    if not library.triollm_gemm_supported():
+    library = load_library("gemm_bf16", _SOURCE, "bf16 GEMM kernel")
+    if library is None or not library.triollm_gemm_supported():
         return None  # no AVX512-BF16 here: oneDNN it is
     gemm = CpuGemm(library)
     if not _agrees_with_torch(gemm):

@@ -2,19 +2,22 @@
 compiler (``$CC``, else ``cc``), ``-O3 -march=native``, into a cache directory
 (``$TRIOLLM_CACHE/kernels``, else ``~/.cache/triollm/kernels``). A library's file name
 is keyed by its source, flags, the compiler's version and the CPU's model and feature
-flags, so a cache carried to another machine is never reused there. Loading a library
-and checking its answers is each kernel module's own business (cpu_decode.py,
-cpu_gemm.py)."""
+flags, so a cache carried to another machine is never reused there. Checking a loaded
+library's answers is each kernel module's own business (cpu_decode.py, cpu_gemm.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["FLAGS", "build", "cpu_flags", "cpu_signature"]
+__all__ = ["FLAGS", "build", "cpu_flags", "cpu_signature", "load_library"]
+
+logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
@@ -66,3 +69,16 @@ def build(stem: str, source: str, flags: list[str] | None = None) -> Path:
                        check=True, capture_output=True, text=True, timeout=300)
         os.replace(built, target)  # atomic: concurrent builders each install a whole file
     return target
+
+
+def load_library(stem: str, source: str, what: str,
+                 flags: list[str] | None = None) -> ctypes.CDLL | None:
+    """``build`` and load; None where that fails (no C compiler, say), with the reason
+    logged as "building the ``what`` failed"."""
+    try:
+        return ctypes.CDLL(str(build(stem, source, flags)))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or ""
+        logger.warning("building the %s failed (%s: %s %s)", what, type(error).__name__,
+                       error, detail.strip()[:500])
+        return None

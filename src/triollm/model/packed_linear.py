@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from triollm.model.cpu_gemm import load_gemm
+from triollm.model.cpu_gemm import CpuGemm, load_gemm
 
 __all__ = ["PackedLinear", "pack_linear_layers", "packed_linear", "padded_rows"]
 
@@ -57,9 +57,8 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        gemm = load_gemm()
-        if gemm is not None and gemm.fits(weight):
-            # bf16 on a CPU with AVX512-BF16: cpu_gemm.py's layout, fp32 bias.
+        gemm = _gemm_for(weight)
+        if gemm is not None:  # cpu_gemm.py's layout, fp32 bias
             self.packed_weight = gemm.pack(weight)
             self.bias = None if bias is None else bias.detach().float()
         else:
@@ -132,9 +131,17 @@ def _onednn_supports(dtype: torch.dtype) -> bool:
     return False
 
 
+def _gemm_for(weight: torch.Tensor) -> CpuGemm | None:
+    """cpu_gemm.py's kernel where it takes ``weight`` (bf16, on a CPU with AVX512-BF16);
+    it is not built at all for other dtypes."""
+    if weight.dtype != torch.bfloat16:
+        return None
+    gemm = load_gemm()
+    return gemm if gemm is not None and gemm.fits(weight) else None
+
+
 def _packable(weight: torch.Tensor) -> bool:
-    gemm = load_gemm() if weight.dtype == torch.bfloat16 else None
-    return (gemm is not None and gemm.fits(weight)) or _onednn_supports(weight.dtype)
+    return _gemm_for(weight) is not None or _onednn_supports(weight.dtype)
 
 
 def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
