@@ -16,7 +16,8 @@ door does not make it flap. A fixed ``cpu_threads``, or ``OMP_NUM_THREADS`` in t
 environment, turns this off. Where ``/proc`` cannot be read the count stays fixed.
 
 ``prepare_for_cpu`` is what both model runners do to a loaded model on CPU: this policy,
-and the linear layers moved onto oneDNN-packed weights (packed_linear.py).
+the linear layers moved onto packed weights (packed_linear.py), and malloc told to keep
+freed memory for the next step (cpu_malloc.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from triollm.model.cpu_malloc import keep_freed_memory
 from triollm.model.packed_linear import pack_linear_layers
 
 __all__ = ["ComputeThreads", "CpuTimes", "prepare_for_cpu", "read_cpu_times"]
@@ -159,8 +161,10 @@ class ComputeThreads:
 
 def prepare_for_cpu(model: nn.Module, cpu_threads: int | None) -> ComputeThreads:
     """The thread policy a runner's steps compute with (``cpu_threads``: a fixed count,
-    or None to adapt), after moving ``model``'s linear layers onto packed weights."""
+    or None to adapt), after moving ``model``'s linear layers onto packed weights and
+    raising malloc's thresholds."""
     compute_threads = ComputeThreads(cpu_threads)
+    keep_freed_memory()
     packed = pack_linear_layers(model)
     logger.info("%d linear layers run on oneDNN-packed weights", packed)
     return compute_threads

@@ -89,7 +89,10 @@ def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | N
     padded = padded_rows(rows)
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
-    flat = nn.functional.pad(x.reshape(rows, in_features), (0, 0, 0, padded - rows))
+    # rather than F.pad, which zero-fills all of the new tensor before copying into it
+    flat = x.new_empty((padded, in_features))
+    flat[:rows].copy_(x.reshape(rows, in_features))
+    flat[rows:].zero_()
     out = torch.ops.mkldnn._linear_pointwise(flat, packed_weight, bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from triollm.model.cpu_varlen import load_varlen_kernel
+
 __all__ = ["VARLEN_ATTENTION_NAME", "VarlenMetadata", "varlen_attention_forward"]
 
 VARLEN_ATTENTION_NAME = "triollm_varlen"
@@ -32,6 +34,16 @@ class VarlenMetadata:
     runs: list[tuple[int, int, int]]
     #: Attention calls made with it (the runner checks its attention is the one used).
     num_calls: int = 0
+    #: ``spans`` as int64 ``(starts, lengths)`` tensors, made on first use by the kernel.
+    _span_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def span_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each prompt's start and length, as int64 CPU tensors."""
+        if self._span_tensors is None:
+            self._span_tensors = (
+                torch.tensor([start for start, _ in self.spans], dtype=torch.int64),
+                torch.tensor([end - start for start, end in self.spans], dtype=torch.int64))
+        return self._span_tensors
 
     @classmethod
     def from_lengths(cls, lengths: list[int]) -> VarlenMetadata:
@@ -69,6 +81,12 @@ def varlen_attention_forward(
     causal = bool(getattr(module, "is_causal", False))
     heads, kv_heads = query.shape[1], key.shape[1]
     out_dtype = query.dtype
+    if query.device.type == "cpu" and sliding_window is None:
+        kernel = load_varlen_kernel()
+        if kernel is not None and kernel.takes(query, key, value):
+            starts, lengths = triollm_metadata.span_tensors()
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return kernel(query, key, value, starts, lengths, scale, causal), None
     if query.device.type == "cpu" and query.dtype != torch.float32:
         # CPU SDPA runs several times faster in fp32 than in bf16
         query, key, value = query.float(), key.float(), value.float()
