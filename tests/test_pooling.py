@@ -72,6 +72,29 @@ def test_encode_gives_tensors_and_ordering_survives_priorities(bert_llm: Any) ->
         np.testing.assert_allclose(batched.outputs.data.numpy(), alone.numpy(), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["bert", "xlmr", "qwen2"])
+def test_a_step_filled_up_to_a_padded_row_count_pools_the_same(
+        pooling_models: dict[str, Path], kind: str) -> None:
+    """fp32 linears run on oneDNN, so a step's packed row is filled with filler prompts
+    up to a row count packed_linear.py takes without a copy; the real prompts' vectors
+    are those each gets alone (CLS, MEAN and LAST pooling; bidirectional and causal)."""
+    from triollm import LLM
+    from triollm.model.packed_linear import padded_rows
+
+    llm = LLM(str(pooling_models[kind]), dtype="float32")
+    tokenizer = llm.get_tokenizer()
+    texts = [*TEXTS, "one more"]
+    while (total := sum(len(tokenizer.encode(text)) for text in texts)) == padded_rows(total):
+        texts[-1] += " word"
+    assert total > 32  # so the step needs filling (below 33 every count is taken as is)
+    batched = llm.embed(texts, use_tqdm=False)
+    for output, text in zip(batched, texts, strict=True):
+        alone = llm.embed(text, use_tqdm=False)[0].outputs.embedding
+        np.testing.assert_allclose(output.outputs.embedding, alone, atol=1e-5)
+    stats = llm.engine.statistics()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 def test_pooling_params_are_honoured(bert_llm: Any, pooling_models: dict[str, Path]) -> None:
     from triollm import LLM, PoolingParams
 

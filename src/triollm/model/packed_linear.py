@@ -39,7 +39,7 @@ from transformers.pytorch_utils import Conv1D
 
 from triollm.model.cpu_gemm import CpuGemm, load_gemm
 
-__all__ = ["PackedLinear", "pack_linear_layers", "packed_linear", "padded_rows"]
+__all__ = ["PackedLinear", "pack_linear_layers", "packed_linear", "padded_rows", "pads_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,13 @@ def padded_rows(rows: int) -> int:
         return rows
     step = 1 << (rows.bit_length() - 5)
     return -(-rows // step) * step
+
+
+def pads_rows(model: nn.Module) -> bool:
+    """Whether any of ``model``'s packed layers runs on oneDNN, and so copies inputs whose
+    row count ``padded_rows`` would change into a padded buffer."""
+    return any(isinstance(module, PackedLinear) and module.packed_weight.is_mkldnn
+               for module in model.modules())
 
 
 def _onednn_supports(dtype: torch.dtype) -> bool:

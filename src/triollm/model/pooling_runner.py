@@ -2,7 +2,11 @@
 
 One step is one forward over whole prompts packed into a ``[1, T]`` row, sorted by
 length so prompts of equal length share one attention call (model/varlen_attention.py);
-no padding and no KV cache. The scheduler still accounts tokens in blocks, so the
+no padding between prompts and no KV cache. Where linear layers run on oneDNN (fp32, or
+bf16 without AVX512-BF16), each would copy a row count outside packed_linear.py's
+bounded set into a padded buffer (about 6% of an fp32 embedding step), so the row is
+filled up to such a count once, with filler prompts of token 0 that attend only to each
+other and are never pooled. The scheduler still accounts tokens in blocks, so the
 runner reports enough blocks for a full step's worth of prompts and reads none of
 them. The last hidden states are pooled per prompt (model/pooler.py); a classifier's
 own head turns the pooled rows into label scores.
@@ -20,6 +24,7 @@ from torch import nn
 from triollm.config import EngineConfig
 from triollm.model.cpu_threads import ComputeThreads, prepare_for_cpu
 from triollm.model.loader import load_pooling_model
+from triollm.model.packed_linear import padded_rows, pads_rows
 from triollm.model.pooler import Pooler
 from triollm.model.varlen_attention import VARLEN_ATTENTION_NAME, VarlenMetadata
 from triollm.pooling_params import PoolingParams
@@ -28,6 +33,9 @@ from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 __all__ = ["PoolingModelRunner"]
 
 logger = logging.getLogger(__name__)
+
+#: Longest filler prompt (fewer positions than any model has).
+FILLER_PROMPT = 64
 
 #: (pooled rows in the model's dtype) -> logits
 ClassifierHead = Callable[[torch.Tensor], torch.Tensor]
@@ -62,6 +70,8 @@ class PoolingModelRunner:
             prepare_for_cpu(self.model, model_config.cpu_threads)
             if self.device.type == "cpu" else None)
         scheduler = config.scheduler
+        #: Whether steps are filled up to a row count oneDNN layers take without a copy.
+        self.fills_rows = self.compute_threads is not None and pads_rows(self.model)
         self.num_kv_blocks = (-(-scheduler.max_num_batched_tokens // config.cache.block_size)
                               + scheduler.max_num_seqs)
         logger.info("pooling model: task %s, %s pooling%s, %d-dim output (from %s)",
@@ -142,11 +152,23 @@ class PoolingModelRunner:
                 assert item.pooling_params is not None
                 types = item.pooling_params.token_type_ids
                 token_types.extend(types if types is not None else [0] * item.num_tokens)
-        metadata = VarlenMetadata.from_lengths([item.num_tokens for item in items])
+        lengths = [item.num_tokens for item in items]
+        real_tokens = len(input_ids)
+        if self.fills_rows:
+            filler = padded_rows(real_tokens) - real_tokens
+            while filler > 0:
+                length = min(filler, FILLER_PROMPT)
+                input_ids.extend([0] * length)
+                positions.extend(range(offset, offset + length))
+                if token_types is not None:
+                    token_types.extend([0] * length)
+                lengths.append(length)
+                filler -= length
+        metadata = VarlenMetadata.from_lengths(lengths)
         forward_started = time.perf_counter()
-        hidden = self._hidden(input_ids, positions, token_types, metadata)
+        hidden = self._hidden(input_ids, positions, token_types, metadata)[:real_tokens]
         forward_seconds = time.perf_counter() - forward_started
-        pooled = self.pooler.pool(hidden, metadata.spans)
+        pooled = self.pooler.pool(hidden, metadata.spans[:len(items)])
         finish: Callable[[torch.Tensor, PoolingParams], torch.Tensor]
         if self.head is not None:
             vectors = self.head(pooled.to(self.dtype)).float()
