@@ -18,7 +18,6 @@ import argparse
 import torch
 
 from common import timed
-from triollm.model import varlen_attention
 from triollm.model.cpu_varlen import load_varlen_kernel
 from triollm.model.varlen_attention import VarlenMetadata, varlen_attention_forward
 
@@ -49,19 +48,13 @@ def main() -> None:
             fused = torch.randn(1, sum(lengths), 3, args.heads, dim,
                                 generator=generator).to(dtype)
             q, k, v = (fused[:, :, i].transpose(1, 2) for i in range(3))
-            metadata = VarlenMetadata.from_lengths(lengths)
-
-            def layer(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
-                      scale: float = dim ** -0.5,
-                      metadata: VarlenMetadata = metadata) -> object:
-                return varlen_attention_forward(module, q, k, v, None, scaling=scale,
-                                                triollm_metadata=metadata)
-
             times = {}
             for name, chosen in (("sdpa", None), ("kernel", kernel)):
-                varlen_attention.load_varlen_kernel = (  # type: ignore[assignment]
-                    lambda chosen=chosen: chosen)
-                times[name] = timed(layer, args.repeats)
+                metadata = VarlenMetadata.from_lengths(lengths, chosen)
+                times[name] = timed(
+                    lambda metadata=metadata: varlen_attention_forward(  # type: ignore[misc]
+                        module, q, k, v, None, scaling=dim ** -0.5,  # noqa: B023
+                        triollm_metadata=metadata), args.repeats)
             print(f"{dim:>9} {str(dtype).removeprefix('torch.'):>9} "
                   f"{times['sdpa'] * 1e3:13.2f} ms {times['kernel'] * 1e3:7.2f} ms "
                   f"{times['sdpa'] / times['kernel']:8.2f}x")

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triollm.model import cpu_malloc, native_build, varlen_attention
+from triollm.model import cpu_malloc, native_build
 from triollm.model.cpu_varlen import VarlenKernel, load_varlen_kernel, packed_sdpa
 from triollm.model.varlen_attention import VarlenMetadata, varlen_attention_forward
 
@@ -66,8 +66,7 @@ def test_kernel_matches_sdpa_per_prompt(lengths: list[int], dim: int, kv_heads: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_interface_uses_the_kernel_or_sdpa_alike(
-        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attention_interface_uses_the_kernel_or_sdpa_alike(dtype: torch.dtype) -> None:
     """The same call through transformers' attention interface, with the kernel and
     with it unavailable (SDPA per run of equal lengths), gives the same output; head
     sizes the kernel does not take go to SDPA."""
@@ -79,20 +78,21 @@ def test_attention_interface_uses_the_kernel_or_sdpa_alike(
         q, k, v = _inputs(lengths, 4, 2, dim, dtype, seed=dim)
         outputs = []
         for kernel in (load_varlen_kernel(), None):
-            monkeypatch.setattr(varlen_attention, "load_varlen_kernel", lambda k=kernel: k)
-            out, _ = varlen_attention_forward(
-                module, q, k, v, None, scaling=0.2,
-                triollm_metadata=VarlenMetadata.from_lengths(lengths))
+            metadata = VarlenMetadata.from_lengths(lengths, kernel)
+            out, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.2,
+                                              triollm_metadata=metadata)
+            assert metadata.num_calls == 1
             outputs.append(out.float())
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(outputs[0], outputs[1], atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_embeddings_are_the_same_without_the_kernel(
-        pooling_models: dict[str, Path], dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_embeddings_are_the_same_without_the_kernel(pooling_models: dict[str, Path],
+                                                    dtype: str) -> None:
     """An encoder (bidirectional) and a decoder embedder (causal, grouped-query heads)
-    give the same embeddings on the kernel as on SDPA, as CPUs without AVX-512 run."""
+    give the same embeddings on the kernel as under ``enforce_eager``, which keeps to
+    SDPA as CPUs without AVX-512 do."""
     from triollm import LLM
 
     _kernel_for(getattr(torch, dtype))
@@ -100,9 +100,9 @@ def test_embeddings_are_the_same_without_the_kernel(
              "x", "the same length as the next", "the same length as the last"]
     for kind in ("bert", "qwen2"):
         embeddings = []
-        for kernel in (load_varlen_kernel(), None):
-            monkeypatch.setattr(varlen_attention, "load_varlen_kernel", lambda k=kernel: k)
-            llm = LLM(str(pooling_models[kind]), dtype=dtype)
+        for eager in (False, True):
+            llm = LLM(str(pooling_models[kind]), dtype=dtype, enforce_eager=eager)
+            assert (llm.engine.runner.varlen_kernel is None) == eager
             embeddings.append(np.array([output.outputs.embedding
                                         for output in llm.embed(texts, use_tqdm=False)]))
             del llm

@@ -69,7 +69,8 @@ _HELP = {
                     "the whole vocabulary",
     "enforce_eager": "compile nothing (on CPU, the model then runs eagerly and decode "
                      "attention gathers KV blocks "
-                     "instead of running the C or torch.compile'd kernel)",
+                     "instead of running the C or torch.compile'd kernel; pooling "
+                     "models attend with SDPA instead of the C kernel)",
     "optimization_level": "0: run the model eagerly (fastest start); 1-3: on CPU, compile "
                           "its forward with torch.compile at start-up (default 2)",
     "cpu_threads": "compute threads on CPU; default: all usable cores, fewer while other "

@@ -23,6 +23,7 @@ from torch import nn
 
 from triollm.config import EngineConfig
 from triollm.model.cpu_threads import ComputeThreads, prepare_for_cpu
+from triollm.model.cpu_varlen import VarlenKernel, load_varlen_kernel
 from triollm.model.loader import load_pooling_model
 from triollm.model.packed_linear import padded_rows, pads_rows
 from triollm.model.pooler import Pooler
@@ -70,6 +71,10 @@ class PoolingModelRunner:
             prepare_for_cpu(self.model, model_config.cpu_threads)
             if self.device.type == "cpu" else None)
         scheduler = config.scheduler
+        #: Prompt attention's C kernel on CPU, unless ``enforce_eager`` (SDPA then).
+        self.varlen_kernel: VarlenKernel | None = (
+            load_varlen_kernel() if self.compute_threads is not None
+            and not model_config.enforce_eager else None)
         #: Whether steps are filled up to a row count oneDNN layers take without a copy.
         self.fills_rows = self.compute_threads is not None and pads_rows(self.model)
         self.num_kv_blocks = (-(-scheduler.max_num_batched_tokens // config.cache.block_size)
@@ -100,7 +105,7 @@ class PoolingModelRunner:
     @torch.inference_mode()
     def _check_attention(self) -> None:
         """One forward of two short prompts: our attention must be the one called."""
-        metadata = VarlenMetadata.from_lengths([3, 2])
+        metadata = VarlenMetadata.from_lengths([3, 2], self.varlen_kernel)
         offset = self.position_offset
         self._hidden([5, 6, 7, 8, 9], [offset + p for p in (0, 1, 2, 0, 1)], None, metadata)
         if not metadata.num_calls:
@@ -164,7 +169,7 @@ class PoolingModelRunner:
                     token_types.extend([0] * length)
                 lengths.append(length)
                 filler -= length
-        metadata = VarlenMetadata.from_lengths(lengths)
+        metadata = VarlenMetadata.from_lengths(lengths, self.varlen_kernel)
         forward_started = time.perf_counter()
         hidden = self._hidden(input_ids, positions, token_types, metadata)[:real_tokens]
         forward_seconds = time.perf_counter() - forward_started

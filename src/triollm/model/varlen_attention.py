@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from triollm.model.cpu_varlen import load_varlen_kernel
+from triollm.model.cpu_varlen import VarlenKernel
 
 __all__ = ["VARLEN_ATTENTION_NAME", "VarlenMetadata", "varlen_attention_forward"]
 
@@ -32,6 +32,9 @@ class VarlenMetadata:
     spans: list[tuple[int, int]]
     #: ``(start, count, length)``: ``count`` consecutive prompts of ``length`` tokens.
     runs: list[tuple[int, int, int]]
+    #: The C kernel to attend with where it takes the inputs (model/cpu_varlen.py), or
+    #: None for SDPA; the runner decides (none under ``enforce_eager``).
+    kernel: VarlenKernel | None = None
     #: Attention calls made with it (the runner checks its attention is the one used).
     num_calls: int = 0
     #: ``spans`` as int64 ``(starts, lengths)`` tensors, made on first use by the kernel.
@@ -46,7 +49,8 @@ class VarlenMetadata:
         return self._span_tensors
 
     @classmethod
-    def from_lengths(cls, lengths: list[int]) -> VarlenMetadata:
+    def from_lengths(cls, lengths: list[int], kernel: VarlenKernel | None = None
+                     ) -> VarlenMetadata:
         spans: list[tuple[int, int]] = []
         runs: list[tuple[int, int, int]] = []
         start = 0
@@ -58,7 +62,7 @@ class VarlenMetadata:
             else:
                 runs.append((start, 1, length))
             start += length
-        return cls(spans, runs)
+        return cls(spans, runs, kernel)
 
 
 def varlen_attention_forward(
@@ -81,9 +85,9 @@ def varlen_attention_forward(
     causal = bool(getattr(module, "is_causal", False))
     heads, kv_heads = query.shape[1], key.shape[1]
     out_dtype = query.dtype
-    if query.device.type == "cpu" and sliding_window is None:
-        kernel = load_varlen_kernel()
-        if kernel is not None and kernel.takes(query, key, value):
+    kernel = triollm_metadata.kernel
+    if query.device.type == "cpu" and sliding_window is None and kernel is not None:
+        if kernel.takes(query, key, value):
             starts, lengths = triollm_metadata.span_tensors()
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return kernel(query, key, value, starts, lengths, scale, causal), None
