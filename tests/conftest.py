@@ -80,6 +80,7 @@ def pooling_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "xlmr": build_embedding_model("xlm-roberta", root / "xlmr"),
         "qwen2": build_embedding_model("qwen2", root / "qwen2"),
         "qwen3": build_embedding_model("qwen3", root / "qwen3", seed=7),
+        "gemma2": build_embedding_model("gemma2", root / "gemma2", seed=3),
         "matryoshka": build_embedding_model("bert", root / "matryoshka", seed=3,
                                             is_matryoshka=True),
         "cross": build_cross_encoder(root / "cross"),

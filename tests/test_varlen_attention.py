@@ -132,3 +132,41 @@ def test_freed_step_buffers_stay_with_the_process() -> None:
     buffer.fill_(1)
     assert mallinfo2().hblkhd - before < 1024 * 1024  # not an mmapped block
     del buffer
+
+
+def test_softcapped_logits_and_windows_are_honoured_or_refused() -> None:
+    """Gemma-style logit softcapping with a causal sliding window gives what the eager
+    formula gives per prompt (and not what plain attention gives); a bidirectional
+    sliding window is refused, not ignored."""
+    from triollm.errors import UnsupportedModelError
+
+    module = torch.nn.Module()
+    module.is_causal = True  # type: ignore[assignment]
+    lengths, window, softcap = [5, 30, 30], 8, 0.5
+    q, k, v = _inputs(lengths, 4, 2, 16, torch.float32, seed=3)
+    q = q * 4  # scores well beyond the cap, so capping changes them
+    metadata = VarlenMetadata.from_lengths(lengths, load_varlen_kernel())
+    got, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.25,
+                                      sliding_window=window, softcap=softcap,
+                                      triollm_metadata=metadata)
+    parts, start = [], 0
+    for length in lengths:
+        part = slice(start, start + length)
+        keys, values = (t[:, :, part].repeat_interleave(2, dim=1) for t in (k, v))
+        scores = q[:, :, part] @ keys.transpose(-1, -2) * 0.25
+        scores = softcap * torch.tanh(scores / softcap)
+        distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+        scores = scores.masked_fill(~((distance >= 0) & (distance < window)), float("-inf"))
+        parts.append((torch.softmax(scores, dim=-1) @ values).transpose(1, 2))
+        start += length
+    expected = torch.cat(parts, dim=1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    uncapped, _ = varlen_attention_forward(module, q, k, v, None, scaling=0.25,
+                                           sliding_window=window,
+                                           triollm_metadata=metadata)
+    assert not torch.allclose(uncapped, expected, atol=1e-3)
+
+    module.is_causal = False  # type: ignore[assignment]
+    with pytest.raises(UnsupportedModelError, match="sliding window of 8"):
+        varlen_attention_forward(module, q, k, v, None, sliding_window=window,
+                                 triollm_metadata=metadata)

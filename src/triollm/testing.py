@@ -288,7 +288,8 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
     ``kind`` ``"bert"``: a BERT encoder with mean pooling (sentence-transformers' current
     file format). ``"xlm-roberta"``: an XLM-R encoder with CLS pooling. ``"qwen2"``,
     ``"qwen3"``, ``"llama"``: a decoder with last-token pooling (the legacy
-    ``pooling_mode_*`` format, as Qwen3-Embedding ships). ``dense_features`` adds a
+    ``pooling_mode_*`` format, as Qwen3-Embedding ships); ``"gemma2"`` too, with its
+    sliding window and attention-logit softcapping. ``dense_features`` adds a
     ``Dense`` (tanh) module."""
     import torch
     import transformers
@@ -309,7 +310,7 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
         pooling: dict[str, Any] = {"embedding_dimension": config.hidden_size,
                                    "pooling_mode": "mean" if kind == "bert" else "cls"}
         module_types = "sentence_transformers.sentence_transformer.modules"
-    elif kind in ("qwen2", "qwen3", "llama"):
+    elif kind in ("qwen2", "qwen3", "llama", "gemma2"):
         tokenizer = train_test_tokenizer()
         config = tiny_config(kind, len(tokenizer), **overrides)
         model = transformers.AutoModel.from_config(config, dtype=torch.float32)
@@ -318,8 +319,8 @@ def build_embedding_model(kind: str, directory: str | Path, *, seed: int = 0,
                    "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}
         module_types = "sentence_transformers.models"
     else:
-        raise ValueError(f"kind: expected 'bert', 'xlm-roberta', 'qwen2', 'qwen3' or 'llama', "
-                         f"got {kind!r}")
+        raise ValueError(f"kind: expected 'bert', 'xlm-roberta', 'qwen2', 'qwen3', 'llama' or "
+                         f"'gemma2', got {kind!r}")
     _random_weights(model, seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from triollm.errors import UnsupportedModelError
 from triollm.model.cpu_varlen import VarlenKernel
 
 __all__ = ["VARLEN_ATTENTION_NAME", "VarlenMetadata", "varlen_attention_forward"]
@@ -74,23 +75,31 @@ def varlen_attention_forward(
     *,
     scaling: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     triollm_metadata: VarlenMetadata | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``query`` is ``[1, heads, T, dim]`` (keys and values may have fewer heads);
-    returns ``[1, T, heads, dim]`` as transformers expects."""
+    returns ``[1, T, heads, dim]`` as transformers expects. A causal sliding window and
+    Gemma-style logit softcapping are honoured; a bidirectional sliding window is
+    refused (the runner's load-time check raises it)."""
     if triollm_metadata is None:
         raise RuntimeError("triollm_varlen attention needs the step's VarlenMetadata")
     triollm_metadata.num_calls += 1
     causal = bool(getattr(module, "is_causal", False))
+    if sliding_window is not None and not causal:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} attends bidirectionally within a sliding window "
+            f"of {sliding_window} tokens, which triollm's pooling runner does not "
+            f"support yet")
     heads, kv_heads = query.shape[1], key.shape[1]
     out_dtype = query.dtype
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kernel = triollm_metadata.kernel
-    if query.device.type == "cpu" and sliding_window is None and kernel is not None:
-        if kernel.takes(query, key, value):
-            starts, lengths = triollm_metadata.span_tensors()
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return kernel(query, key, value, starts, lengths, scale, causal), None
+    if (query.device.type == "cpu" and sliding_window is None and softcap is None
+            and kernel is not None and kernel.takes(query, key, value)):
+        starts, lengths = triollm_metadata.span_tensors()
+        return kernel(query, key, value, starts, lengths, scale, causal), None
     if query.device.type == "cpu" and query.dtype != torch.float32:
         # CPU SDPA runs several times faster in fp32 than in bf16
         query, key, value = query.float(), key.float(), value.float()
@@ -100,15 +109,26 @@ def varlen_attention_forward(
         # [1, h, count * length, d] -> [count, h, length, d], views
         q, k, v = (t[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1)
                    for t in (query, key, value))
-
-        mask = None
-        if causal and sliding_window is not None and length > sliding_window:
+        allowed = None  # None: all keys (bidirectional) or plain causal
+        if causal and (softcap is not None or (
+                sliding_window is not None and length > sliding_window)):
             positions = torch.arange(length, device=query.device)
             distance = positions[:, None] - positions[None, :]
-            mask = (distance >= 0) & (distance < sliding_window)
-        result = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scaling,
-            enable_gqa=heads != kv_heads)
+            allowed = distance >= 0
+            if sliding_window is not None:
+                allowed &= distance < sliding_window
+        if softcap is None:
+            result = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, is_causal=causal and allowed is None,
+                scale=scale, enable_gqa=heads != kv_heads)
+        else:  # SDPA has no softcap: the same sums spelled out
+            if heads != kv_heads:
+                k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+            scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+            scores = softcap * torch.tanh(scores / softcap)
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            result = torch.matmul(torch.softmax(scores, dim=-1), v)
         output[0, :, start:end] = result.transpose(0, 1).flatten(1, 2)
     return output.transpose(1, 2).to(out_dtype), None
 
