@@ -25,17 +25,14 @@ gathering path.
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from triollm.model.native_build import AVX512_EXP16, FLAGS, build, load_library
+from triollm.model.native_build import AVX512_EXP16, FLAGS, build, load_checked
 
 __all__ = ["CpuDecodeKernel", "load_kernel"]
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <math.h>
@@ -368,12 +365,5 @@ def _agrees_with_torch(kernel: CpuDecodeKernel) -> bool:
 def load_kernel() -> CpuDecodeKernel | None:
     """The kernel for this machine, built on first use and checked against torch; None
     where it cannot be built (no C compiler, say) or disagrees, with the reason logged."""
-    library = load_library("paged_decode", _SOURCE, "CPU decode attention kernel")
-    if library is None:
-        return None
-    kernel = CpuDecodeKernel(library)
-    if not _agrees_with_torch(kernel):
-        logger.warning("the CPU decode attention kernel disagrees with torch here; not "
-                       "using it")
-        return None
-    return kernel
+    return load_checked("paged_decode", _SOURCE, "CPU decode attention kernel",
+                        CpuDecodeKernel, _agrees_with_torch)

@@ -20,16 +20,13 @@ on oneDNN. Sums are fp32, the output is rounded to bf16 once, as oneDNN does.
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 
 import torch
 
-from triollm.model.native_build import load_library
+from triollm.model.native_build import load_checked
 
 __all__ = ["CpuGemm", "load_gemm"]
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -181,11 +178,5 @@ def _agrees_with_torch(gemm: CpuGemm) -> bool:
 def load_gemm() -> CpuGemm | None:
     """The kernel for this machine, built on first use and checked against torch; None
     where the CPU lacks AVX512-BF16, there is no C compiler, or it disagrees."""
-    library = load_library("gemm_bf16", _SOURCE, "bf16 GEMM kernel")
-    if library is None or not library.triollm_gemm_supported():
-        return None  # no AVX512-BF16 here: oneDNN it is
-    gemm = CpuGemm(library)
-    if not _agrees_with_torch(gemm):
-        logger.warning("the bf16 GEMM kernel disagrees with torch here; not using it")
-        return None
-    return gemm
+    return load_checked("gemm_bf16", _SOURCE, "bf16 GEMM kernel", CpuGemm, _agrees_with_torch,
+                        supported="triollm_gemm_supported")  # else oneDNN it is

@@ -166,5 +166,5 @@ def prepare_for_cpu(model: nn.Module, cpu_threads: int | None) -> ComputeThreads
     compute_threads = ComputeThreads(cpu_threads)
     keep_freed_memory()
     packed = pack_linear_layers(model)
-    logger.info("%d linear layers run on oneDNN-packed weights", packed)
+    logger.info("%d linear layers run on packed weights", packed)
     return compute_threads

@@ -23,17 +23,14 @@ where it disagrees.
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 
-from triollm.model.native_build import AVX512_EXP16, load_library
+from triollm.model.native_build import AVX512_EXP16, load_checked
 
 __all__ = ["VarlenKernel", "load_varlen_kernel", "packed_sdpa"]
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <math.h>
@@ -462,13 +459,6 @@ def _agrees_with_sdpa(kernel: VarlenKernel) -> bool:
 @cache
 def load_varlen_kernel() -> VarlenKernel | None:
     """The kernel for this machine, built on first use and checked against SDPA; None
-    where the CPU lacks AVX512-BF16, there is no C compiler, or it disagrees."""
-    library = load_library("varlen_bf16", _SOURCE, "varlen attention kernel")
-    if library is None or not library.triollm_varlen_supported():
-        return None  # no AVX-512 here: SDPA it is
-    kernel = VarlenKernel(library)
-    if not _agrees_with_sdpa(kernel):
-        logger.warning("the varlen attention kernel disagrees with SDPA here; pooling steps "
-                       "use SDPA")
-        return None
-    return kernel
+    where the CPU lacks AVX-512, there is no C compiler, or it disagrees (SDPA then)."""
+    return load_checked("varlen_attention", _SOURCE, "varlen attention kernel", VarlenKernel,
+                        _agrees_with_sdpa, supported="triollm_varlen_supported")

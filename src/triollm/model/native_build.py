@@ -2,8 +2,9 @@
 compiler (``$CC``, else ``cc``), ``-O3 -march=native``, into a cache directory
 (``$TRIOLLM_CACHE/kernels``, else ``~/.cache/triollm/kernels``). A library's file name
 is keyed by its source, flags, the compiler's version and the CPU's model and feature
-flags, so a cache carried to another machine is never reused there. Checking a loaded
-library's answers is each kernel module's own business (cpu_decode.py, cpu_gemm.py)."""
+flags, so a cache carried to another machine is never reused there. ``load_checked``
+is how each kernel module loads its library: what its answers are checked against is
+the module's own business (cpu_decode.py, cpu_gemm.py, cpu_varlen.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,16 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-__all__ = ["AVX512_EXP16", "FLAGS", "build", "cpu_flags", "cpu_signature", "load_library"]
+__all__ = ["AVX512_EXP16", "FLAGS", "build", "cpu_flags", "cpu_signature", "load_checked",
+           "load_library"]
 
 logger = logging.getLogger(__name__)
+
+Kernel = TypeVar("Kernel")
 
 #: C source of ``exp16``, e^x of 16 floats at once, for the kernels' AVX-512 paths (it
 #: needs immintrin.h included first).
@@ -106,3 +112,19 @@ def load_library(stem: str, source: str, what: str,
         logger.warning("building the %s failed (%s: %s %s)", what, type(error).__name__,
                        error, detail.strip()[:500])
         return None
+
+
+def load_checked(stem: str, source: str, what: str, wrap: Callable[[ctypes.CDLL], Kernel],
+                 agrees: Callable[[Kernel], bool], supported: str | None = None
+                 ) -> Kernel | None:
+    """``load_library``; then, where ``supported`` names a C function of the library that
+    returns 0 (this CPU lacks what the kernel needs), None without a warning; else
+    ``wrap(library)``, or None with a warning where ``agrees`` rejects its answers."""
+    library = load_library(stem, source, what)
+    if library is None or (supported is not None and not getattr(library, supported)()):
+        return None
+    kernel = wrap(library)
+    if not agrees(kernel):
+        logger.warning("the %s disagrees with torch here; not using it", what)
+        return None
+    return kernel
