@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from triollm.model import cpu_threads
+from triollm.model import cpu_helpers, cpu_threads
 from triollm.model.cpu_threads import ComputeThreads, CpuTimes, read_cpu_times
 
 
@@ -83,6 +83,30 @@ def test_a_busy_neighbour_takes_a_thread_at_once_and_gives_it_back_slowly(
     machine.advance(0.3)
     assert policy.adjust() == 2
     assert machine.set_calls == [1, 2]
+
+
+def test_on_one_thread_the_kernels_get_helpers_for_the_cores_given_up(
+        machine: FakeMachine) -> None:
+    """cpu_helpers.py: the C kernels share units with helper threads that run when the
+    busy cores give them a slice, only while torch computes on one thread."""
+    cpu_helpers.set_spare_threads(5)
+    try:
+        policy = _policy(machine)
+        assert cpu_helpers.spare_threads() == 0, "a new policy starts on OpenMP"
+        machine.others = 1.0
+        machine.advance(0.3)
+        assert policy.adjust() == 1
+        assert cpu_helpers.spare_threads() == 1
+        machine.others = 0.0
+        for _ in range(2):
+            machine.advance(0.3)
+            policy.adjust()
+        assert policy.threads == 2
+        assert cpu_helpers.spare_threads() == 0
+        fixed = _policy(machine, fixed=1)
+        assert fixed.threads == 1 and cpu_helpers.spare_threads() == 0
+    finally:
+        cpu_helpers.set_spare_threads(0)
 
 
 def test_the_machine_is_read_once_per_window_not_once_per_step(

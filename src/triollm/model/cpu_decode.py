@@ -30,11 +30,12 @@ from pathlib import Path
 
 import torch
 
+from triollm.model.cpu_helpers import POOL_SOURCE, register_pool, spare_threads
 from triollm.model.native_build import AVX512_EXP16, FLAGS, build, load_checked
 
 __all__ = ["CpuDecodeKernel", "load_kernel"]
 
-_SOURCE = r"""
+_SOURCE = POOL_SOURCE + r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -217,12 +218,14 @@ DEFINE_ATTEND16(attend16_bf16, uint16_t, load16_bf16, 0)
 #define HAVE_AVX512 0
 #endif
 
-#define CALL_ATTEND(FUNCTION, CACHE_T)                                                  \
+#define CALL_ATTEND_INTO(FUNCTION, CACHE_T, DEST)                                       \
     FUNCTION(query + (b * q_heads + h * groups) * dim,                                  \
              (const CACHE_T*)key_cache + h * num_blocks * block_size * dim,             \
              (const CACHE_T*)value_cache + h * num_blocks * block_size * dim,           \
-             tables + b * max_blocks, scores, out + (b * q_heads + h * groups) * dim,   \
+             tables + b * max_blocks, scores, DEST,                                     \
              groups, block_size, dim, start, ctx, scale, softcap)
+#define CALL_ATTEND(FUNCTION, CACHE_T)                                                  \
+    CALL_ATTEND_INTO(FUNCTION, CACHE_T, out + (b * q_heads + h * groups) * dim)
 
 /* Which path this build runs for head size `dim`: 1 the vector one, 0 the portable. */
 int triollm_paged_decode_vectorized(int64_t dim) {
@@ -282,6 +285,110 @@ int triollm_paged_decode(
     }
     return failed;
 }
+
+typedef struct {
+    pool_job base;
+    /* query, tables and context_lens are the job's own copies (a helper may read them
+       after the call); the caches must outlive the pool's next drain. */
+    const float* query;
+    const void* key_cache;
+    const void* value_cache;
+    const int64_t* tables;
+    const int64_t* context_lens;
+    float* out;
+    int64_t q_heads, kv_heads, num_blocks, block_size, dim, max_blocks, window;
+    float scale, softcap;
+    int cache_is_bf16;
+} decode_job;
+
+#if HAVE_AVX512
+/* One (sequence, KV head) on the vector path; a helper computes into a buffer of its
+   own and copies it out only once pool_commit says the unit is still its own. */
+static void decode_job_unit(pool_job* base, int64_t unit, int helper) {
+    const decode_job* job = (const decode_job*)base;
+    const float* query = job->query;
+    const void* key_cache = job->key_cache;
+    const void* value_cache = job->value_cache;
+    const int64_t* tables = job->tables;
+    const int64_t q_heads = job->q_heads, num_blocks = job->num_blocks;
+    const int64_t block_size = job->block_size, dim = job->dim, max_blocks = job->max_blocks;
+    const int64_t groups = q_heads / job->kv_heads;
+    const int64_t b = unit / job->kv_heads, h = unit % job->kv_heads;
+    const float scale = job->scale, softcap = job->softcap;
+    const int64_t ctx = job->context_lens[b];
+    const int64_t start = (job->window > 0 && ctx > job->window) ? ctx - job->window : 0;
+    float* target = job->out + (b * q_heads + h * groups) * dim;
+    float own[helper ? groups * dim : 1];
+    float* dest = helper ? own : target;
+    float* scores = NULL;
+    if (ctx - start > 0) {
+        if (job->cache_is_bf16) {
+            if (dim == 64) CALL_ATTEND_INTO(attend16_bf16_d64, uint16_t, dest);
+            else if (dim == 128) CALL_ATTEND_INTO(attend16_bf16_d128, uint16_t, dest);
+            else CALL_ATTEND_INTO(attend16_bf16, uint16_t, dest);
+        } else {
+            if (dim == 64) CALL_ATTEND_INTO(attend16_f32_d64, float, dest);
+            else if (dim == 128) CALL_ATTEND_INTO(attend16_f32_d128, float, dest);
+            else CALL_ATTEND_INTO(attend16_f32, float, dest);
+        }
+    }
+    if (helper && pool_commit(base, unit) && ctx - start > 0)
+        memcpy(target, own, sizeof(float) * (size_t)(groups * dim));
+}
+#endif
+
+/* triollm_paged_decode on the calling thread and up to `helpers` pool helpers
+   (cpu_helpers.py); the portable path runs on the calling thread alone. */
+int triollm_paged_decode_pooled(
+    const float* query, const void* key_cache, const void* value_cache,
+    const int64_t* tables, const int64_t* context_lens, float* out,
+    int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t num_blocks,
+    int64_t block_size, int64_t dim, int64_t max_blocks, float scale,
+    int64_t window, float softcap, int cache_is_bf16, int helpers)
+{
+#if HAVE_AVX512
+    if (triollm_paged_decode_vectorized(dim)) {
+        const int64_t units = batch * kv_heads;
+        const size_t head = (sizeof(decode_job) + (size_t)units + 63) & ~(size_t)63;
+        const size_t query_bytes = sizeof(float) * (size_t)(batch * q_heads * dim);
+        const size_t table_bytes = sizeof(int64_t) * (size_t)(batch * max_blocks);
+        decode_job* job = (decode_job*)malloc(head + query_bytes + table_bytes
+                                              + sizeof(int64_t) * (size_t)batch);
+        if (job != NULL) {
+            char* copies = (char*)job + head;
+            memcpy(copies, query, query_bytes);
+            memcpy(copies + query_bytes, tables, table_bytes);
+            memcpy(copies + query_bytes + table_bytes, context_lens,
+                   sizeof(int64_t) * (size_t)batch);
+            job->base.run = decode_job_unit;
+            job->base.units = units;
+            job->base.state = (_Atomic unsigned char*)(job + 1);
+            job->query = (const float*)copies;
+            job->tables = (const int64_t*)(copies + query_bytes);
+            job->context_lens = (const int64_t*)(copies + query_bytes + table_bytes);
+            job->key_cache = key_cache;
+            job->value_cache = value_cache;
+            job->out = out;
+            job->q_heads = q_heads;
+            job->kv_heads = kv_heads;
+            job->num_blocks = num_blocks;
+            job->block_size = block_size;
+            job->dim = dim;
+            job->max_blocks = max_blocks;
+            job->window = window;
+            job->scale = scale;
+            job->softcap = softcap;
+            job->cache_is_bf16 = cache_is_bf16;
+            pool_run(&job->base, helpers);
+            return 0;
+        }
+    }
+#endif
+    (void)helpers;
+    return triollm_paged_decode(query, key_cache, value_cache, tables, context_lens, out,
+                                batch, q_heads, kv_heads, num_blocks, block_size, dim,
+                                max_blocks, scale, window, softcap, cache_is_bf16, 1);
+}
 """
 
 def _build(portable: bool = False) -> Path:
@@ -300,6 +407,11 @@ class CpuDecodeKernel:
                                                           ctypes.c_int]
         function.restype = ctypes.c_int
         self._function = function
+        pooled = library.triollm_paged_decode_pooled
+        pooled.argtypes = function.argtypes
+        pooled.restype = ctypes.c_int
+        self._pooled = pooled
+        register_pool(library)
         self._vectorized = library.triollm_paged_decode_vectorized
         self._vectorized.argtypes = [ctypes.c_int64]
         self._vectorized.restype = ctypes.c_int
@@ -327,15 +439,19 @@ class CpuDecodeKernel:
         out = torch.empty_like(query)
         if batch == 0:
             return out
-        failed = self._function(
+        helpers = spare_threads()
+        function, threads = ((self._pooled, helpers) if helpers
+                             else (self._function, torch.get_num_threads()))
+        failed = function(
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, q_heads, kv_heads,
             num_blocks, block_size, dim, tables.shape[1], scale,
             sliding_window or 0, softcap or 0.0, int(key_cache.dtype == torch.bfloat16),
-            torch.get_num_threads())
+            threads)
         if failed:
             raise MemoryError("the CPU decode kernel could not allocate its scratch space")
         return out
+
 
 
 def _agrees_with_torch(kernel: CpuDecodeKernel) -> bool:

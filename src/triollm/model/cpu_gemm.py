@@ -24,11 +24,12 @@ from functools import cache
 
 import torch
 
+from triollm.model.cpu_helpers import POOL_SOURCE, register_pool, spare_threads
 from triollm.model.native_build import load_checked
 
 __all__ = ["CpuGemm", "load_gemm"]
 
-_SOURCE = r"""
+_SOURCE = POOL_SOURCE + r"""
 #include <stdint.h>
 #include <omp.h>
 
@@ -49,10 +50,12 @@ static inline void store_row(uint16_t* y, __m512 sums, const float* bias) {
 
 /* Rows [m0, m0 + rows) times the 16-wide output blocks at w0 and w1 (w1 NULL: one
    block). Always inlined, so the calls with rows == ROWS get loops of constant trip
-   count and the sums stay in registers. */
+   count and the sums stay in registers. A pool helper (job != NULL) stores only once
+   pool_commit says the unit is still its own. */
 static inline __attribute__((always_inline)) void tile(
     const uint16_t* x, const uint16_t* w0, const uint16_t* w1, uint16_t* y,
-    const float* bias, int64_t m0, int rows, int64_t n, int64_t k, int64_t column)
+    const float* bias, int64_t m0, int rows, int64_t n, int64_t k, int64_t column,
+    pool_job* job, int64_t unit)
 {
     __m512 s0[ROWS], s1[ROWS];
     const uint16_t* xr[ROWS];
@@ -83,36 +86,87 @@ static inline __attribute__((always_inline)) void tile(
                 if (r < rows) s0[r] = _mm512_dpbf16_ps(s0[r], pair_of(xr[r], p), v0);
         }
     }
+    if (job && !pool_commit(job, unit)) return;
     for (int r = 0; r < rows; r++) {
         store_row(y + (m0 + r) * n + column, s0[r], bias ? bias + column : 0);
         if (w1) store_row(y + (m0 + r) * n + column + 16, s1[r], bias ? bias + column + 16 : 0);
     }
 }
 
+/* One unit of work: the tile of row chunk c and output block pair u. */
+static inline void gemm_unit(const uint16_t* x, const uint16_t* packed, const float* bias,
+                             uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t u,
+                             int64_t c, pool_job* job, int64_t unit)
+{
+    const int64_t blocks = n / 16, b = 2 * u, m0 = c * ROWS;
+    const int rows = m - m0 < ROWS ? (int)(m - m0) : ROWS;
+    const uint16_t* w0 = packed + b * 16 * k;
+    const uint16_t* w1 = b + 1 < blocks ? w0 + 16 * k : 0;
+    if (w1 && rows == ROWS)
+        tile(x, w0, w1, y, bias, m0, ROWS, n, k, 16 * b, job, unit);
+    else
+        tile(x, w0, w1, y, bias, m0, rows, n, k, 16 * b, job, unit);
+}
+
 /* y[m, n] = x[m, k] @ W^T (+ bias), bf16 in and out; W packed [n/16][k/2][16][2]. */
 void triollm_gemm_bf16(const uint16_t* x, const uint16_t* packed, const float* bias,
                        uint16_t* y, int64_t m, int64_t n, int64_t k, int threads)
 {
-    const int64_t blocks = n / 16, block = 16 * k;
-    const int64_t units = (blocks + 1) / 2, chunks = (m + ROWS - 1) / ROWS;
+    const int64_t units = (n / 16 + 1) / 2, chunks = (m + ROWS - 1) / ROWS;
     #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-    for (int64_t u = 0; u < units; u++) {
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t b = 2 * u, m0 = c * ROWS;
-            const int rows = m - m0 < ROWS ? (int)(m - m0) : ROWS;
-            const uint16_t* w0 = packed + b * block;
-            const uint16_t* w1 = b + 1 < blocks ? w0 + block : 0;
-            if (w1 && rows == ROWS)
-                tile(x, w0, w1, y, bias, m0, ROWS, n, k, 16 * b);
-            else
-                tile(x, w0, w1, y, bias, m0, rows, n, k, 16 * b);
-        }
+    for (int64_t u = 0; u < units; u++)
+        for (int64_t c = 0; c < chunks; c++)
+            gemm_unit(x, packed, bias, y, m, n, k, u, c, NULL, 0);
+}
+
+typedef struct {
+    pool_job base;
+    const uint16_t* x;  /* the job's own copy: a helper may read it after the call */
+    const uint16_t* packed;
+    const float* bias;
+    uint16_t* y;
+    int64_t m, n, k, chunks;
+} gemm_job;
+
+static void gemm_job_unit(pool_job* base, int64_t unit, int helper) {
+    const gemm_job* job = (const gemm_job*)base;
+    gemm_unit(job->x, job->packed, job->bias, job->y, job->m, job->n, job->k,
+              unit / job->chunks, unit % job->chunks, helper ? base : NULL, unit);
+}
+
+/* triollm_gemm_bf16 on the calling thread and up to `helpers` pool helpers
+   (cpu_helpers.py); `packed` and `bias` must outlive the pool's next drain. */
+void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const float* bias,
+                              uint16_t* y, int64_t m, int64_t n, int64_t k, int helpers)
+{
+    const int64_t chunks = (m + ROWS - 1) / ROWS, units = (n / 16 + 1) / 2 * chunks;
+    const size_t inputs = (size_t)(sizeof(gemm_job) + units + 63) & ~(size_t)63;
+    gemm_job* job = (gemm_job*)malloc(inputs + (size_t)(m * k) * sizeof(uint16_t));
+    if (job == NULL) {
+        triollm_gemm_bf16(x, packed, bias, y, m, n, k, 1);
+        return;
     }
+    job->base.run = gemm_job_unit;
+    job->base.units = units;
+    job->base.state = (_Atomic unsigned char*)(job + 1);
+    uint16_t* copy = (uint16_t*)((char*)job + inputs);
+    memcpy(copy, x, (size_t)(m * k) * sizeof(uint16_t));
+    job->x = copy;
+    job->packed = packed;
+    job->bias = bias;
+    job->y = y;
+    job->m = m;
+    job->n = n;
+    job->k = k;
+    job->chunks = chunks;
+    pool_run(&job->base, helpers);
 }
 #else
 int triollm_gemm_supported(void) { return 0; }
 void triollm_gemm_bf16(const uint16_t* x, const uint16_t* packed, const float* bias,
                        uint16_t* y, int64_t m, int64_t n, int64_t k, int threads) {}
+void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const float* bias,
+                              uint16_t* y, int64_t m, int64_t n, int64_t k, int helpers) {}
 #endif
 """
 
@@ -125,6 +179,11 @@ class CpuGemm:
         function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         function.restype = None
         self._function = function
+        pooled = library.triollm_gemm_bf16_pooled
+        pooled.argtypes = function.argtypes
+        pooled.restype = None
+        self._pooled = pooled
+        register_pool(library)
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -151,11 +210,14 @@ class CpuGemm:
         flat = x.reshape(-1, in_features).contiguous()
         out = torch.empty((flat.shape[0], out_features), dtype=torch.bfloat16)
         if flat.shape[0]:
-            self._function(flat.data_ptr(), packed.data_ptr(),
-                           None if bias is None else bias.data_ptr(), out.data_ptr(),
-                           flat.shape[0], out_features, in_features,
-                           torch.get_num_threads())
+            helpers = spare_threads()
+            function, threads = ((self._pooled, helpers) if helpers
+                                 else (self._function, torch.get_num_threads()))
+            function(flat.data_ptr(), packed.data_ptr(),
+                     None if bias is None else bias.data_ptr(), out.data_ptr(),
+                     flat.shape[0], out_features, in_features, threads)
         return out.view(*x.shape[:-1], out_features)
+
 
 
 def _agrees_with_torch(gemm: CpuGemm) -> bool:

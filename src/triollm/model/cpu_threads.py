@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from triollm.model.cpu_helpers import set_spare_threads
 from triollm.model.cpu_malloc import keep_freed_memory
 from triollm.model.packed_linear import pack_linear_layers
 
@@ -106,6 +107,7 @@ class ComputeThreads:
         self.others_cores = 0.0
         if fixed is not None:
             set_threads(fixed)
+        set_spare_threads(0)  # this thread's kernels: on OpenMP until the count drops to 1
 
     def thread_counts(self) -> list[int]:
         """Every count ``adjust`` may set, fewest first."""
@@ -157,6 +159,8 @@ class ComputeThreads:
                     self.others_cores, len(self._cores), threads, "" if threads == 1 else "s")
         self.threads = threads
         self._set_threads(threads)
+        # On one thread the C kernels may use helpers on the cores given up (cpu_helpers.py).
+        set_spare_threads(self.max_threads - 1 if threads == 1 else 0)
 
 
 def prepare_for_cpu(model: nn.Module, cpu_threads: int | None) -> ComputeThreads:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from triollm.config import EngineConfig
+from triollm.model.cpu_helpers import drain_pools
 from triollm.model.cpu_threads import ComputeThreads, prepare_for_cpu
 from triollm.model.cpu_varlen import VarlenKernel, load_varlen_kernel
 from triollm.model.loader import load_pooling_model
@@ -190,6 +191,7 @@ class PoolingModelRunner:
                             execute_seconds=time.perf_counter() - started)
 
     def shutdown(self) -> None:
+        drain_pools()  # no kernel helper reads the weights or the cache once they go
         del self.model
         del self.encoder
         if self.device.type == "cuda":

@@ -31,6 +31,7 @@ from triollm.model.attention import (
     forward_metadata,
 )
 from triollm.model.cpu_decode import CpuDecodeKernel, load_kernel
+from triollm.model.cpu_helpers import drain_pools
 from triollm.model.cpu_threads import ComputeThreads, prepare_for_cpu
 from triollm.model.loader import load_model
 from triollm.model.lora_manager import LoRAManager
@@ -527,6 +528,7 @@ class TorchModelRunner:
         ]
 
     def shutdown(self) -> None:
+        drain_pools()  # no kernel helper reads the weights or the cache once they go
         self._requests.clear()
         del self.kv_cache
         del self.model
