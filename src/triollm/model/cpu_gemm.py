@@ -8,7 +8,8 @@ reads them at 10-18 GB/s on this project's 2-core machine, where a plain sum rea
 ``[out/16][in/2][16][2]``: one 64-byte load gives two input columns of 16 outputs, which
 ``vdpbf16ps`` multiplies by one broadcast pair of a row's inputs into 16 fp32 sums. A
 tile is 8 rows by 32 outputs (16 accumulators in registers); threads split the output
-columns (and, with many rows, the row tiles). Measured against oneDNN on the 85m
+columns (and, with many rows, the row tiles): torch's OpenMP threads, or, while the
+thread policy computes on one thread beside busy cores, cpu_helpers.py's pool. Measured against oneDNN on the 85m
 model's 84 layers (``benchmarks/packed_linear.py``): 1.35-1.6x for 1-16 rows and about
 1.1x for 64-256 rows, on one thread and on two.
 
@@ -140,8 +141,8 @@ void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const f
                               uint16_t* y, int64_t m, int64_t n, int64_t k, int helpers)
 {
     const int64_t chunks = (m + ROWS - 1) / ROWS, units = (n / 16 + 1) / 2 * chunks;
-    const size_t inputs = (size_t)(sizeof(gemm_job) + units + 63) & ~(size_t)63;
-    gemm_job* job = (gemm_job*)malloc(inputs + (size_t)(m * k) * sizeof(uint16_t));
+    const size_t head = (sizeof(gemm_job) + (size_t)units + 63) & ~(size_t)63;
+    gemm_job* job = (gemm_job*)malloc(head + (size_t)(m * k) * sizeof(uint16_t));
     if (job == NULL) {
         triollm_gemm_bf16(x, packed, bias, y, m, n, k, 1);
         return;
@@ -149,7 +150,7 @@ void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const f
     job->base.run = gemm_job_unit;
     job->base.units = units;
     job->base.state = (_Atomic unsigned char*)(job + 1);
-    uint16_t* copy = (uint16_t*)((char*)job + inputs);
+    uint16_t* copy = (uint16_t*)((char*)job + head);
     memcpy(copy, x, (size_t)(m * k) * sizeof(uint16_t));
     job->x = copy;
     job->packed = packed;

@@ -22,9 +22,13 @@ GEMM's output tiles, decode attention's (sequence, KV head) pairs):
 - A helper may still be computing a unit the caller took back after the call returned.
   So it reads only the job (which copies the caller's small inputs, and is freed when no
   helper holds it: hazard pointers) and memory that outlives any call (weights, the KV
-  cache: the runner drains the pools before freeing them, ``drain``).
+  cache: runners call ``drain_pools`` before freeing them).
+- A helper woken on the caller's CPU would only take turns with it; it moves to the
+  process's other CPUs.
 - One caller at a time: a call that finds the pool in use by another thread (two engines
   in one process) computes alone.
+- Helpers are made on a library's first call with helpers and live as long as the
+  process, asleep when unused, like OpenMP's own threads. Off Linux there are none.
 
 ``set_spare_threads`` (called by the thread policy on the model thread) says how many
 helpers the kernels called from that thread may use: ``0`` (the default, and whenever
@@ -77,8 +81,9 @@ def drain_pools() -> None:
 
 
 #: C source of the helper pool: ``pool_job``, ``pool_run``, ``pool_commit`` and the
-#: exported ``triollm_pool_drain`` / ``triollm_pool_statistics``; include it after the
-#: standard headers.
+#: exported ``triollm_pool_drain`` / ``triollm_pool_statistics`` /
+#: ``triollm_pool_set_helper_delay``; it must come first in a library's source (it
+#: defines ``_GNU_SOURCE``).
 POOL_SOURCE = r"""
 #define _GNU_SOURCE
 #include <stdatomic.h>

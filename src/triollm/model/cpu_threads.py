@@ -12,7 +12,9 @@ other processes (``/proc/stat`` for those cores, minus this process's own CPU ti
 computes on the cores left: usable cores minus ``round(others)``, at least one and at
 most what torch started with. Fewer
 threads are taken at once; more only after two windows agree, so a brief burst next
-door does not make it flap. A fixed ``cpu_threads``, or ``OMP_NUM_THREADS`` in the
+door does not make it flap. While it computes on one thread, the C kernels take
+helpers for the cores given up (cpu_helpers.py), which use those cores' spare time
+without ever holding up a step. A fixed ``cpu_threads``, or ``OMP_NUM_THREADS`` in the
 environment, turns this off. Where ``/proc`` cannot be read the count stays fixed.
 
 ``prepare_for_cpu`` is what both model runners do to a loaded model on CPU: this policy,
