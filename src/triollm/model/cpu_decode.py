@@ -2,13 +2,13 @@
 compiler and called through ctypes.
 
 Each single-token query attends over exactly its own sequence's blocks, read in place
-from the paged cache: no padding to the longest sequence of the batch, no gathered
-copy, and about 10 µs of call overhead against the ~0.3 ms a ``torch.compile``'d
-function spends in its guards and wrappers per layer. Work is split over (sequence, KV
-head) pairs on torch's OpenMP runtime with torch's thread count, so the compute-thread
-policy (``cpu_threads.py``) governs it too; while that policy computes on one thread
-beside busy cores, the AVX-512 path's pairs go to cpu_helpers.py's pool instead. Scores and sums are fp32; the cache may be
-fp32 or bf16.
+from the paged cache: no padding to the longest sequence of the batch, no gathered copy,
+and about 10 µs of call overhead against the ~0.3 ms a ``torch.compile``'d function
+spends in its guards and wrappers per layer. Work is split over (sequence, KV head)
+pairs on torch's OpenMP runtime with torch's thread count, so the compute-thread policy
+(``cpu_threads.py``) governs it too; while that policy computes on one thread beside
+busy cores, the AVX-512 path's pairs go to cpu_helpers.py's pool instead. Scores and
+sums are fp32; the cache may be fp32 or bf16.
 
 Two paths share the source. Where the compiler targets AVX-512 and the head size is a
 multiple of 16 (up to 256), one pass over the blocks keeps a query head's output row in
