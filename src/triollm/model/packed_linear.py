@@ -48,11 +48,12 @@ class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` held packed (cpu_gemm.py's layout or
     oneDNN's).
 
-    The packed tensor is an attribute, not a parameter: it is an opaque ``_mkldnn``
-    tensor that only oneDNN's linear reads, and that ``torch.compile`` cannot trace. A
-    compiled model therefore calls the custom op ``triollm::packed_linear`` with the
-    layer's ``handle``, under which the packed weight is registered for as long as the
-    module lives."""
+    The packed tensor is an attribute, not a parameter: in oneDNN's layout it is an
+    opaque ``_mkldnn`` tensor that only oneDNN's linear reads; in cpu_gemm.py's it is a
+    plain ``[out/16, in/2, 16, 2]`` tensor that only the C kernel reads the right way.
+    Neither is something ``torch.compile`` should trace, so a compiled model calls the
+    custom op ``triollm::packed_linear`` with the layer's ``handle``, under which the
+    packed weight is registered for as long as the module lives."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
