@@ -7,6 +7,7 @@ reads memory a call pointed it at."""
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -120,6 +121,10 @@ def test_decode_attention_with_helpers_gives_the_bits_of_openmp(
     assert torch.equal(got, expected)
 
 
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="helpers exist on Linux only")
+
+
+@linux_only
 @pytest.mark.parametrize("which", ["gemm", "decode"])
 def test_a_stalled_helper_neither_holds_up_the_caller_nor_stores_late(
         which: str, helpers: None) -> None:
@@ -169,6 +174,7 @@ def test_a_stalled_helper_neither_holds_up_the_caller_nor_stores_late(
     assert _statistics(library)[2] > before[2], "no helper ever took a unit"
 
 
+@linux_only
 def test_drain_waits_for_a_helper_inside_a_job(helpers: None) -> None:
     """Once a helper holds a unit it then lost (it stalls 300 ms after taking it), drain
     returns only after the helper has left the job."""
