@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from triollm.model.cpu_helpers import POOL_SOURCE, register_pool, spare_threads
+from triollm.model.cpu_helpers import POOL_SOURCE, PooledFunction
 from triollm.model.native_build import AVX512_EXP16, FLAGS, build, load_checked
 
 __all__ = ["CpuDecodeKernel", "load_kernel"]
@@ -402,17 +402,11 @@ class CpuDecodeKernel:
     """``paged_decode_attention``'s signature, run by the C kernel."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        function = library.triollm_paged_decode
         pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        function.argtypes = [pointer] * 6 + [i64] * 7 + [f32, i64, f32, ctypes.c_int,
-                                                          ctypes.c_int]
-        function.restype = ctypes.c_int
-        self._function = function
-        pooled = library.triollm_paged_decode_pooled
-        pooled.argtypes = function.argtypes
-        pooled.restype = ctypes.c_int
-        self._pooled = pooled
-        register_pool(library)
+        self._function = PooledFunction(
+            library, "triollm_paged_decode",
+            [pointer] * 6 + [i64] * 7 + [f32, i64, f32, ctypes.c_int, ctypes.c_int],
+            ctypes.c_int)
         self._vectorized = library.triollm_paged_decode_vectorized
         self._vectorized.argtypes = [ctypes.c_int64]
         self._vectorized.restype = ctypes.c_int
@@ -440,19 +434,14 @@ class CpuDecodeKernel:
         out = torch.empty_like(query)
         if batch == 0:
             return out
-        helpers = spare_threads()
-        function, threads = ((self._pooled, helpers) if helpers
-                             else (self._function, torch.get_num_threads()))
-        failed = function(
+        failed = self._function(
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, q_heads, kv_heads,
             num_blocks, block_size, dim, tables.shape[1], scale,
-            sliding_window or 0, softcap or 0.0, int(key_cache.dtype == torch.bfloat16),
-            threads)
+            sliding_window or 0, softcap or 0.0, int(key_cache.dtype == torch.bfloat16))
         if failed:
             raise MemoryError("the CPU decode kernel could not allocate its scratch space")
         return out
-
 
 
 def _agrees_with_torch(kernel: CpuDecodeKernel) -> bool:

@@ -25,7 +25,7 @@ from functools import cache
 
 import torch
 
-from triollm.model.cpu_helpers import POOL_SOURCE, register_pool, spare_threads
+from triollm.model.cpu_helpers import POOL_SOURCE, PooledFunction
 from triollm.model.native_build import load_checked
 
 __all__ = ["CpuGemm", "load_gemm"]
@@ -176,15 +176,9 @@ class CpuGemm:
     """bf16 ``x @ weight.T + bias`` over a weight packed by ``pack``."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        function = library.triollm_gemm_bf16
-        function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        function.restype = None
-        self._function = function
-        pooled = library.triollm_gemm_bf16_pooled
-        pooled.argtypes = function.argtypes
-        pooled.restype = None
-        self._pooled = pooled
-        register_pool(library)
+        self._function = PooledFunction(
+            library, "triollm_gemm_bf16",
+            [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int], None)
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -211,14 +205,10 @@ class CpuGemm:
         flat = x.reshape(-1, in_features).contiguous()
         out = torch.empty((flat.shape[0], out_features), dtype=torch.bfloat16)
         if flat.shape[0]:
-            helpers = spare_threads()
-            function, threads = ((self._pooled, helpers) if helpers
-                                 else (self._function, torch.get_num_threads()))
-            function(flat.data_ptr(), packed.data_ptr(),
-                     None if bias is None else bias.data_ptr(), out.data_ptr(),
-                     flat.shape[0], out_features, in_features, threads)
+            self._function(flat.data_ptr(), packed.data_ptr(),
+                           None if bias is None else bias.data_ptr(), out.data_ptr(),
+                           flat.shape[0], out_features, in_features)
         return out.view(*x.shape[:-1], out_features)
-
 
 
 def _agrees_with_torch(gemm: CpuGemm) -> bool:

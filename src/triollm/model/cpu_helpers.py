@@ -40,9 +40,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Any
 
-__all__ = ["POOL_SOURCE", "drain_pools", "register_pool", "set_spare_threads",
-           "spare_threads"]
+import torch
+
+__all__ = ["POOL_SOURCE", "PooledFunction", "drain_pools", "register_pool",
+           "set_spare_threads", "spare_threads"]
 
 _local = threading.local()
 _pools: dict[str, ctypes.CDLL] = {}
@@ -69,6 +72,28 @@ def register_pool(library: ctypes.CDLL) -> None:
     library.triollm_pool_drain.restype = ctypes.c_int
     with _pools_lock:
         _pools[library._name] = library
+
+
+class PooledFunction:
+    """A kernel's C entry point ``name`` (OpenMP; last argument: its thread count) and its
+    twin ``name + "_pooled"`` (last argument: helpers), both taking ``argtypes`` (the
+    count included). Called without the count, it runs the twin when the calling thread
+    may use helpers, else the OpenMP one with torch's thread count."""
+
+    def __init__(self, library: ctypes.CDLL, name: str, argtypes: list[Any],
+                 restype: Any) -> None:
+        self._plain = getattr(library, name)
+        self._pooled = getattr(library, name + "_pooled")
+        for function in (self._plain, self._pooled):
+            function.argtypes = argtypes
+            function.restype = restype
+        register_pool(library)
+
+    def __call__(self, *args: Any) -> Any:
+        helpers = spare_threads()
+        if helpers:
+            return self._pooled(*args, helpers)
+        return self._plain(*args, torch.get_num_threads())
 
 
 def drain_pools() -> None:
