@@ -201,6 +201,36 @@ def test_drain_waits_for_a_helper_inside_a_job(helpers: None) -> None:
     assert waited > 0.1, "drain returned while the helper still held the job"
 
 
+@linux_only
+def test_a_call_uses_no_more_helpers_than_its_thread_may(helpers: None) -> None:
+    """Helpers made for an earlier call that wanted three stay out of a call whose
+    thread may use one: with each helper stalling 300 ms on the unit it takes, the first
+    call any helper joins has exactly one unit taken back."""
+    gemm = _gemm()
+    library = _gemm_library()
+    packed = gemm.pack(torch.randn(1024, 256).bfloat16())
+    x = torch.randn(64, 256).bfloat16()
+    cpu_helpers.set_spare_threads(3)
+    gemm(x, packed, None)  # makes three helpers
+    cpu_helpers.drain_pools()
+    library.triollm_pool_set_helper_delay(300_000)
+    try:
+        cpu_helpers.set_spare_threads(1)
+        for _ in range(40):
+            retaken = _statistics(library)[2]
+            gemm(x, packed, None)
+            taken_back = _statistics(library)[2] - retaken
+            if taken_back:
+                break
+            time.sleep(0.005)
+        else:
+            pytest.fail("no helper ever took a unit")
+    finally:
+        library.triollm_pool_set_helper_delay(0)
+        cpu_helpers.drain_pools()
+    assert taken_back == 1, f"{taken_back} helpers joined a call that may use one"
+
+
 def test_two_threads_calling_at_once_each_get_their_answer(helpers: None) -> None:
     """One caller at a time uses the pool; the other computes alone meanwhile."""
     gemm = _gemm()
