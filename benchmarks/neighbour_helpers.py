@@ -1,13 +1,12 @@
 """The C kernels' helper threads beside a busy neighbour, on and off in one process.
 
-vs_vllm.py's neighbour rows compare one run per engine, and beside a busy-loop process
-one run of the same workload moves by 10-20% from process to process (where the
-scheduler puts the neighbour and the model thread). This measures only what the helpers
-(src/triollm/model/cpu_helpers.py) change: one ``LLM`` on vs_vllm.py's 27m (or 85m)
-model and small offline workload, a ``while True: pass`` process beside it throughout,
-and rounds that run the workload once with the kernels' helpers and once without
-(``set_spare_threads`` 1 / 0 on the model thread, which is this thread for ``LLM``),
-alternating so both see the same machine. Prints each round and the medians.
+vs_vllm.py's neighbour rows compare each engine quiet and beside a busy-loop process,
+with the thread policy choosing the helpers in the busy rounds. This measures only what
+the helpers (src/triollm/model/cpu_helpers.py) change: one ``LLM`` on vs_vllm.py's 27m
+(or 85m) model and small offline workload, a ``while True: pass`` process beside it
+throughout, and rounds that run the workload once with the kernels' helpers and once
+without (``set_spare_threads`` 1 / 0 on the model thread, which is this thread for
+``LLM``), alternating so both see the same machine. Prints each round and the medians.
 
     python benchmarks/neighbour_helpers.py [--model 27m] [--rounds 6]
 

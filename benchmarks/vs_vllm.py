@@ -10,8 +10,13 @@ saved by this script with the test tokenizer, on the same requests:
   ``large``: 128 requests, 32-512 in / 32-256 out, max_num_seqs 64);
 * serving: ``vllm bench serve`` (the neutral client) against ``triollm serve`` and
   ``vllm serve``, random 128 in / 128 out, 64 prompts, at request rates 4 and inf;
-* neighbour: the small offline workload again with a busy-loop process running beside
-  each engine, and the quiet/busy slowdown of each.
+* neighbour: the small offline workload in rounds, quiet and with a busy-loop process
+  running beside the engine, alternating in one process per engine (``--rounds``
+  pairs, the order flipped each round so drift in the machine's speed falls on both
+  sides); each pair gives a slowdown, and the median of them is the engine's. The
+  workload runs once untimed first, and before each timed run the engine runs its first
+  8 requests for at least a second, so that whatever it adapts to its neighbours has
+  seen the change.
 
 While each measurement runs, a sampler reads every process's CPU time from /proc and
 reports how many cores the rest of the machine (not the engine under test, its client or
@@ -19,7 +24,7 @@ the neighbour) kept busy. A figure measured while others used more than a tenth 
 core is marked contaminated.
 
     python benchmarks/vs_vllm.py                       # everything (about 20 min on 2 cores)
-    python benchmarks/vs_vllm.py --models 27m --parts offline neighbour
+    python benchmarks/vs_vllm.py --models 27m --parts offline neighbour [--rounds 3]
     python benchmarks/vs_vllm.py --engines triollm     # without vLLM
 
 Only the standard library is imported at the top: the vLLM child runs this file with the
@@ -34,6 +39,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -157,8 +163,10 @@ def _patch_vllm_version() -> None:
     import vllm_cli  # noqa: F401  (patches importlib.metadata.version as the anchor does)
 
 
-def child_offline(engine: str, model: str, workload_file: str, max_num_seqs: int) -> None:
-    """Runs in its own process: one offline measurement, printed as one JSON line."""
+def child_offline(engine: str, model: str, workload_file: str, max_num_seqs: int,
+                  neighbour_rounds: int = 0) -> None:
+    """Runs in its own process: one offline measurement (or, with ``neighbour_rounds``,
+    that many quiet/busy pairs), printed as one JSON line."""
     with open(workload_file) as file:
         workload = json.load(file)
     prompts = [{"prompt_token_ids": ids} for ids in workload["prompts"]]
@@ -174,12 +182,33 @@ def child_offline(engine: str, model: str, workload_file: str, max_num_seqs: int
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in workload["output_lens"]]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # type: ignore[arg-type]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
-    elapsed = time.perf_counter() - start
-    produced = sum(len(output.outputs[0].token_ids) for output in outputs)
-    assert produced == sum(workload["output_lens"]), produced
-    print("RESULT " + json.dumps({"elapsed": elapsed, "output_tokens": produced}), flush=True)
+
+    def timed() -> float:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
+        elapsed = time.perf_counter() - start
+        produced = sum(len(output.outputs[0].token_ids) for output in outputs)
+        assert produced == sum(workload["output_lens"]), produced
+        return elapsed
+
+    if not neighbour_rounds:
+        print("RESULT " + json.dumps({"elapsed": timed(),
+                                      "output_tokens": sum(workload["output_lens"])}),
+              flush=True)
+        return
+    timed()  # the first full run pays for what the engine sets up lazily
+    rounds = []
+    for round_ in range(neighbour_rounds):
+        elapsed = {}
+        for mode in ("quiet", "busy") if round_ % 2 == 0 else ("busy", "quiet"):
+            with busy_neighbour(mode == "busy"):
+                settle = time.monotonic() + 1.0
+                while time.monotonic() < settle:
+                    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # type: ignore[arg-type]
+                elapsed[mode] = timed()
+        rounds.append(elapsed)
+    print("RESULT " + json.dumps({"rounds": rounds,
+                                  "output_tokens": sum(workload["output_lens"])}), flush=True)
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -225,17 +254,43 @@ def python_for(engine: str, vllm_python: str | None) -> str:
     return sys.executable
 
 
-def run_offline(engine: str, python: str, model_dir: str, workload: Workload, label: str,
-                max_num_seqs: int, neighbour: bool) -> Measurement:
+def _offline_child(engine: str, python: str, model_dir: str, workload: Workload,
+                   max_num_seqs: int, neighbour_rounds: int) -> tuple[dict[str, Any], float]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
         json.dump(workload, file)
     command = [python, __file__, "--child-offline", engine, model_dir, file.name,
-               str(max_num_seqs)]
-    with busy_neighbour(neighbour) as neighbours:
-        result, others = run_child(command, f"{engine} offline run", neighbours)
-    os.unlink(file.name)
+               str(max_num_seqs), str(neighbour_rounds)]
+    try:
+        return run_child(command, f"{engine} offline run")
+    finally:
+        os.unlink(file.name)
+
+
+def run_offline(engine: str, python: str, model_dir: str, workload: Workload, label: str,
+                max_num_seqs: int) -> Measurement:
+    result, others = _offline_child(engine, python, model_dir, workload, max_num_seqs, 0)
     return Measurement(label, engine, {"output_tok_s": result["output_tokens"]
                                        / result["elapsed"]}, others)
+
+
+def run_neighbour(engine: str, python: str, model_dir: str, workload: Workload, model: str,
+                  max_num_seqs: int, rounds: int) -> list[Measurement]:
+    """Quiet and busy rounds in one process: the median throughput of each, and on the
+    busy row the median of the rounds' slowdowns (busy time / quiet time)."""
+    result, others = _offline_child(engine, python, model_dir, workload, max_num_seqs,
+                                    rounds)
+    tokens = result["output_tokens"]
+    pairs = result["rounds"]
+    slowdowns = [pair["busy"] / pair["quiet"] for pair in pairs]
+    note = "rounds, quiet → busy tok/s (slowdown): " + ", ".join(
+        f"{tokens / pair['quiet']:.1f} → {tokens / pair['busy']:.1f} ({value:.2f}x)"
+        for pair, value in zip(pairs, slowdowns, strict=True))
+    quiet = Measurement(f"quiet {model} small", engine, {
+        "output_tok_s": statistics.median(tokens / pair["quiet"] for pair in pairs)}, others)
+    busy = Measurement(f"neighbour {model} small", engine, {
+        "output_tok_s": statistics.median(tokens / pair["busy"] for pair in pairs),
+        "slowdown_x": statistics.median(slowdowns)}, others, [note])
+    return [quiet, busy]
 
 
 def free_port() -> int:
@@ -343,11 +398,15 @@ def print_table(measurements: list[Measurement], engines: list[str]) -> None:
                     continue
                 flag = f" (others {m.others_cores:.2f} cores: contaminated)" \
                     if m.contaminated else ""
-                cells.append(f"{m.values[metric]:.1f}{flag}")
+                digits = 2 if metric == "slowdown_x" else 1
+                cells.append(f"{m.values[metric]:.{digits}f}{flag}")
             ratio = ""
             if len(engines) == 2 and all(e in row for e in engines):
                 ratio = f" | {row[engines[0]].values[metric] / row[engines[1]].values[metric]:.2f}x"
             print(f"| {label} | {metric} | " + " | ".join(cells) + ratio + " |")
+    for m in measurements:
+        for note in m.notes:
+            print(f"{m.label}/{m.engine}: {note}")
     print("\nothers' CPU during each run (cores): " + ", ".join(
         f"{m.label}/{m.engine} {m.others_cores:.2f}" for m in measurements))
 
@@ -362,6 +421,8 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(OFFLINE), choices=list(OFFLINE))
     parser.add_argument("--rates", nargs="+", default=["4", "inf"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="quiet/busy pairs per engine in the neighbour part")
     parser.add_argument("--vllm-python", default=None,
                         help="the side venv's python (default: run the anchor's setup.sh)")
     args = parser.parse_args()
@@ -380,19 +441,14 @@ def main() -> None:
                 if "offline" in args.parts:
                     for workload in args.workloads:
                         m = run_offline(engine, python, model_dir, workloads[workload],
-                                        f"offline {model} {workload}", OFFLINE[workload][3],
-                                        neighbour=False)
+                                        f"offline {model} {workload}", OFFLINE[workload][3])
                         measurements.append(m)
                         print(m, flush=True)
                 if "neighbour" in args.parts:
-                    quiet = run_offline(engine, python, model_dir, workloads["small"],
-                                        f"quiet {model} small", OFFLINE["small"][3], False)
-                    busy = run_offline(engine, python, model_dir, workloads["small"],
-                                       f"neighbour {model} small", OFFLINE["small"][3], True)
-                    slowdown = quiet.values["output_tok_s"] / busy.values["output_tok_s"]
-                    busy.values["slowdown_x"] = slowdown
-                    measurements += [quiet, busy]
-                    print(quiet, busy, flush=True)
+                    pair = run_neighbour(engine, python, model_dir, workloads["small"],
+                                         model, OFFLINE["small"][3], args.rounds)
+                    measurements += pair
+                    print(*pair, flush=True)
                 if "serving" in args.parts:
                     assert vllm_python is not None
                     for m in run_serving(engine, python, vllm_python, model_dir, model,
@@ -418,6 +474,7 @@ def platform_line() -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child-offline":
-        child_offline(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        child_offline(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]),
+                      int(sys.argv[6]))
     else:
         main()
