@@ -9,7 +9,10 @@ saved by this script with the test tokenizer, on the same requests:
   at two batch sizes (``small``: 48 requests, 16-160 in / 16-160 out, max_num_seqs 16;
   ``large``: 128 requests, 32-512 in / 32-256 out, max_num_seqs 64);
 * serving: ``vllm bench serve`` (the neutral client) against ``triollm serve`` and
-  ``vllm serve``, random 128 in / 128 out, 64 prompts, at request rates 4 and inf;
+  ``vllm serve``, random 128 in / 128 out, 64 prompts, at request rates 4 and inf; with
+  ``--serving-rounds N`` the engines take turns N times (a fresh server each time) and
+  each metric is the median of the rounds, since the machine's speed can drift by a
+  third within minutes and one engine's single run would take the drift as its own;
 * neighbour: the small offline workload in rounds, quiet and with a busy-loop process
   running beside the engine, alternating in one process per engine (``--rounds``
   pairs, the order flipped each round so drift in the machine's speed falls on both
@@ -423,6 +426,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3,
                         help="quiet/busy pairs per engine in the neighbour part")
+    parser.add_argument("--serving-rounds", type=int, default=1,
+                        help="serving rounds, engines taking turns; medians reported")
     parser.add_argument("--vllm-python", default=None,
                         help="the side venv's python (default: run the anchor's setup.sh)")
     args = parser.parse_args()
@@ -449,13 +454,34 @@ def main() -> None:
                                          model, OFFLINE["small"][3], args.rounds)
                     measurements += pair
                     print(*pair, flush=True)
-                if "serving" in args.parts:
-                    assert vllm_python is not None
-                    for m in run_serving(engine, python, vllm_python, model_dir, model,
-                                         args.rates, work):
-                        measurements.append(m)
-                        print(m, flush=True)
+            if "serving" in args.parts:
+                assert vllm_python is not None
+                rounds: dict[str, list[list[Measurement]]] = {e: [] for e in args.engines}
+                for _ in range(args.serving_rounds):
+                    for engine in args.engines:
+                        ms = run_serving(engine, python_for(engine, vllm_python),
+                                         vllm_python, model_dir, model, args.rates, work)
+                        rounds[engine].append(ms)
+                        print(*ms, flush=True)
+                for engine in args.engines:
+                    measurements += median_measurements(rounds[engine])
     print_table(measurements, args.engines)
+
+
+def median_measurements(rounds: list[list[Measurement]]) -> list[Measurement]:
+    """One measurement per label from several rounds of the same ones: each metric's
+    median, the most the rest of the machine used in any round, and (with more than one
+    round) each round's throughput and p99 TPOT as a note."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = []
+    for same in zip(*rounds, strict=True):
+        values = {key: statistics.median(m.values[key] for m in same) for key in same[0].values}
+        note = "rounds, output tok/s / p99 TPOT ms: " + ", ".join(
+            f"{m.values['output_throughput']:.1f} / {m.values['p99_tpot_ms']:.1f}" for m in same)
+        merged.append(Measurement(same[0].label, same[0].engine, values,
+                                  max(m.others_cores for m in same), [note]))
+    return merged
 
 
 def platform_line() -> str:
