@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from triollm.model.ops import define_op
+
 __all__ = [
     "ATTENTION_NAME",
     "LAYER_ATTRIBUTE",
@@ -407,8 +409,7 @@ def forward_metadata(metadata: PagedAttentionMetadata) -> Iterator[None]:
         _forward.metadata = None
 
 
-@torch.library.custom_op("triollm::paged_attention", mutates_args=())
-def paged_attention(
+def _paged_attention_op(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -417,10 +418,6 @@ def paged_attention(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """The paged attention of the KV cache's layer ``layer`` as one opaque op, for a
-    compiled model (``torch.compile`` cannot trace the step's Python metadata): ``[H, T,
-    D]`` in, ``[Hq, T, D]`` out. It writes the layer's cache, which is not an argument:
-    the cache is the runner's, found through ``forward_metadata``."""
     meta: PagedAttentionMetadata | None = getattr(_forward, "metadata", None)
     if meta is None or meta.kv_cache is None:
         raise RuntimeError("triollm::paged_attention called outside forward_metadata")
@@ -428,10 +425,20 @@ def paged_attention(
                             query, key, value, scale, sliding_window, softcap)
 
 
-@paged_attention.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
-      sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+def _paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          layer: int, scale: float, sliding_window: int | None,
+                          softcap: float | None) -> torch.Tensor:
     return torch.empty_like(query)
+
+
+#: The paged attention of the KV cache's layer ``layer`` as one opaque op, for a compiled
+#: model (``torch.compile`` cannot trace the step's Python metadata): ``[H, T, D]`` in,
+#: ``[Hq, T, D]`` out. It writes the layer's cache, which is not an argument: the cache
+#: is the runner's, found through ``forward_metadata``.
+paged_attention = define_op(
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, "
+    "int? sliding_window, float? softcap) -> Tensor", _paged_attention_op,
+    _paged_attention_fake)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -38,6 +38,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from triollm.model.cpu_gemm import CpuGemm, load_gemm
+from triollm.model.ops import define_op
 
 __all__ = ["PackedLinear", "pack_linear_layers", "packed_linear", "padded_rows", "pads_rows"]
 
@@ -103,16 +104,18 @@ _handles = itertools.count()
 _registered: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
-@torch.library.custom_op("triollm::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    """``PackedLinear`` number ``handle``'s product, as an op a compiled graph can call."""
+def _packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     packed_weight, bias = _registered[handle]
     return _linear(x, packed_weight, bias)
 
 
-@packed_linear.register_fake
-def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+def _packed_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+#: ``PackedLinear`` number ``handle``'s product, as an op a compiled graph can call.
+packed_linear = define_op("packed_linear(Tensor x, int handle, int out_features) -> Tensor",
+                          _packed_linear, _packed_linear_fake)
 
 
 def padded_rows(rows: int) -> int:
