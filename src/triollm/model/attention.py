@@ -357,7 +357,7 @@ def _paged_attention(
     compute = torch.float32 if key_cache.device.type == "cpu" else key_cache.dtype
     key_cache.view(heads, -1, dim).index_copy_(1, meta.slot_mapping, k.to(key_cache.dtype))
     value_cache.view(heads, -1, dim).index_copy_(1, meta.slot_mapping, v.to(key_cache.dtype))
-    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    q = q.to(compute)  # keys and values are converted only where a prefill reads them
 
     out = torch.empty_like(q)
     block_size = key_cache.shape[2]
@@ -382,8 +382,8 @@ def _paged_attention(
     for index, chunk in enumerate(meta.prefills):
         chunk_q = q[:, chunk.query_start:chunk.query_end]
         if chunk.context_len == chunk.num_query:
-            chunk_k = k[:, chunk.query_start:chunk.query_end]
-            chunk_v = v[:, chunk.query_start:chunk.query_end]
+            chunk_k = k[:, chunk.query_start:chunk.query_end].to(compute)
+            chunk_v = v[:, chunk.query_start:chunk.query_end].to(compute)
         else:
             chunk_k = key_cache[:, chunk.block_ids].view(heads, -1, dim)[
                 :, : chunk.context_len].to(compute)

@@ -202,13 +202,16 @@ class CpuGemm:
         if x.dtype != torch.bfloat16 or x.shape[-1] != in_features:
             raise ValueError(f"the bf16 GEMM takes bf16 [..., {in_features}] inputs, got "
                              f"{x.dtype} {tuple(x.shape)}")
-        flat = x.reshape(-1, in_features).contiguous()
-        out = torch.empty((flat.shape[0], out_features), dtype=torch.bfloat16)
-        if flat.shape[0]:
-            self._function(flat.data_ptr(), packed.data_ptr(),
+        # Called ~60 times a decode step: no reshaping copies or views (each costs ~1 µs).
+        if not x.is_contiguous():
+            x = x.contiguous()
+        rows = x.numel() // in_features
+        out = x.new_empty((*x.shape[:-1], out_features))
+        if rows:
+            self._function(x.data_ptr(), packed.data_ptr(),
                            None if bias is None else bias.data_ptr(), out.data_ptr(),
-                           flat.shape[0], out_features, in_features)
-        return out.view(*x.shape[:-1], out_features)
+                           rows, out_features, in_features)
+        return out
 
 
 def _agrees_with_torch(gemm: CpuGemm) -> bool:
