@@ -146,11 +146,13 @@ def test_bf16_layers_take_the_avx512_bf16_kernel_where_the_cpu_has_it() -> None:
 
 
 @given(rows=st.integers(0, 40), blocks=st.integers(1, 6), pairs=st.integers(1, 70),
-       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+       with_bias=st.booleans(), strided=st.booleans(), seed=st.integers(0, 2**16))
 def test_the_bf16_kernel_gives_the_fp32_product_to_bf16_rounding(
-        rows: int, blocks: int, pairs: int, with_bias: bool, seed: int) -> None:
+        rows: int, blocks: int, pairs: int, with_bias: bool, strided: bool, seed: int
+) -> None:
     """Any row count (full and partial tiles of 8 rows), one or two 16-wide output blocks
-    per tile, any even input width, with and without a bias."""
+    per tile, any even input width, with and without a bias, on contiguous inputs and on
+    strided ones (a transposed view)."""
     gemm = load_gemm()
     if gemm is None:
         pytest.skip("no AVX512-BF16 on this CPU")
@@ -158,6 +160,9 @@ def test_the_bf16_kernel_gives_the_fp32_product_to_bf16_rounding(
     weight = torch.randn(16 * blocks, 2 * pairs, generator=generator).bfloat16()
     bias = torch.randn(16 * blocks, generator=generator).bfloat16() if with_bias else None
     x = torch.randn(1, rows, 2 * pairs, generator=generator).bfloat16()
+    if strided:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        assert rows < 2 or not x.is_contiguous()
     got = PackedLinear(weight, bias)(x)
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 16 * blocks)
     expected = nn.functional.linear(x.float(), weight.float(),
