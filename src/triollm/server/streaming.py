@@ -54,7 +54,9 @@ class EventStream(Response):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"cache-control", b"no-cache")]})
-        lock = anyio.Lock()
+        # Only the producers of several prompts contend for it. Taken uncontended, it
+        # skips the yield to the scheduler (2.6 µs an event on trio); the send yields.
+        lock = anyio.Lock(fast_acquire=True)
 
         async def emit(data: dict[str, Any] | str) -> None:
             text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
