@@ -104,14 +104,19 @@ async def consume(engine: AsyncLLMEngine, runner: FakeModelRunner, request_id: s
                             await anyio.lowlevel.checkpoint()
                     elif (scenario.action != "finish" and count == scenario.at + 1
                           and not output.finished):
-                        outcome.left_at_step = len(runner.computed)
                         if scenario.action == "abort":
+                            outcome.left_at_step = len(runner.computed)
                             await engine.abort(request_id)
                         elif scenario.action == "break":
+                            outcome.left_at_step = len(runner.computed)
                             break
                         elif scenario.action == "cancel":
                             scope.cancel()
                             await anyio.lowlevel.checkpoint()
+        if scope.cancelled_caught:
+            # The request is aborted when the cancellation closes the stream, which the
+            # checkpoint above may let the step loop run ahead of.
+            outcome.left_at_step = len(runner.computed)
     except EngineDeadError as error:
         outcome.error = error
 
@@ -152,9 +157,11 @@ def check_outcomes(requests: Sequence[Scenario | TimedScenario], outcomes: list[
                 assert reason == "length" and tokens == full
         else:
             assert scenario.action in ("break", "cancel") or died
-        # Nothing computed for a request after the step in flight when it left.
+        # Nothing computed for a request after the steps in flight when it left: the
+        # one computing, and with asynchronous scheduling the one queued behind it.
         if outcome.left_at_step is not None:
-            later = computed[outcome.left_at_step + 1:]
+            in_flight = 2 if engine.config.scheduler.async_scheduling else 1
+            later = computed[outcome.left_at_step + in_flight:]
             # Engine ids are "<caller's id>-<n>".
             assert all(item.request_id.rsplit("-", 1)[0] != str(i)
                        for out in later for item in out.scheduled)
@@ -164,10 +171,12 @@ def check_outcomes(requests: Sequence[Scenario | TimedScenario], outcomes: list[
         assert stats.num_free_blocks == stats.num_total_blocks
 
 
-async def run_scenarios(requests: list[Scenario], fail_at_step: int | None) -> None:
+async def run_scenarios(requests: list[Scenario], fail_at_step: int | None,
+                        async_scheduling: bool) -> None:
     runner = FakeModelRunner(num_kv_blocks=128, vocab_size=VOCAB, fail_at_step=fail_at_step)
     args = AsyncEngineArgs(max_model_len=64, max_num_batched_tokens=16, block_size=4,
-                           max_num_seqs=4, disable_log_requests=True)
+                           max_num_seqs=4, disable_log_requests=True,
+                           async_scheduling=async_scheduling)
     engine = AsyncLLMEngine.from_engine_args(args, runner_factory=lambda: runner,
                                              stream_buffer_size=2)
     outcomes = [Outcome() for _ in requests]
@@ -200,10 +209,12 @@ def run_counting_examples(name: str, minimum: int, property_test: Callable[[], N
 def test_every_stream_ends_exactly_one_way(backend: str) -> None:
     @settings(max_examples=150, deadline=None)
     @given(requests=st.lists(scenarios, min_size=1, max_size=8),
-           fail_at_step=st.one_of(st.none(), st.none(), st.integers(0, 25)))
-    def run(requests: list[Scenario], fail_at_step: int | None) -> None:
+           fail_at_step=st.one_of(st.none(), st.none(), st.integers(0, 25)),
+           async_scheduling=st.booleans())
+    def run(requests: list[Scenario], fail_at_step: int | None,
+            async_scheduling: bool) -> None:
         EXAMPLES[f"checkpoints/{backend}"] += 1
-        anyio.run(run_scenarios, requests, fail_at_step, backend=backend)
+        anyio.run(run_scenarios, requests, fail_at_step, async_scheduling, backend=backend)
 
     run_counting_examples(f"checkpoints/{backend}", 150, run)
 
@@ -330,20 +341,22 @@ FAKE_ARGS = AsyncEngineArgs(max_model_len=64, max_num_batched_tokens=16, block_s
 
 
 def run_fake_timed(backend: str, requests: list[TimedScenario],
-                   fail_at_step: int | None) -> None:
+                   fail_at_step: int | None, async_scheduling: bool) -> None:
     def make_runner() -> RecordingRunner:
         return RecordingRunner(FakeModelRunner(num_kv_blocks=128, vocab_size=VOCAB),
                                fail_at_step)
 
     options = {"clock": MockClock(autojump_threshold=0)} if backend == "trio" else {}
-    anyio.run(run_timed_scenarios, requests, fail_at_step, make_runner, FAKE_ARGS,
+    args = dataclasses.replace(FAKE_ARGS, async_scheduling=async_scheduling)
+    anyio.run(run_timed_scenarios, requests, fail_at_step, make_runner, args,
               lambda scenario: expected(scenario.prompt, scenario.max_tokens),
               backend=backend, backend_options=options)
 
 
 FAKE_PROMPTS = st.lists(st.integers(5, VOCAB - 1), min_size=1, max_size=12)
 TIMED = {"requests": st.lists(timed_scenarios(FAKE_PROMPTS), min_size=1, max_size=10),
-         "fail_at_step": st.one_of(st.none(), st.none(), st.integers(0, 12))}
+         "fail_at_step": st.one_of(st.none(), st.none(), st.integers(0, 12)),
+         "async_scheduling": st.booleans()}
 
 
 @pytest.mark.parametrize(("backend", "examples"), [("trio", 300), ("asyncio", 40)])
@@ -352,9 +365,10 @@ def test_timed_scenarios(backend: str, examples: int) -> None:
     examples take seconds); on asyncio in real time, fewer."""
     @settings(max_examples=examples, deadline=None)
     @given(**TIMED)
-    def run(requests: list[TimedScenario], fail_at_step: int | None) -> None:
+    def run(requests: list[TimedScenario], fail_at_step: int | None,
+            async_scheduling: bool) -> None:
         EXAMPLES[f"timed/{backend}"] += 1
-        run_fake_timed(backend, requests, fail_at_step)
+        run_fake_timed(backend, requests, fail_at_step, async_scheduling)
 
     run_counting_examples(f"timed/{backend}", examples, run)
 
@@ -385,17 +399,21 @@ def test_timed_scenarios_against_a_real_model(
     from triollm.model.torch_runner import TorchModelRunner
 
     path, answers = real_model
-    args = AsyncEngineArgs(model=str(path), dtype="float32", max_model_len=64,
-                           max_num_batched_tokens=16, block_size=4, max_num_seqs=4,
-                           num_gpu_blocks_override=64, disable_log_requests=True)
-    config = args.create_engine_config()
+    sync_args = AsyncEngineArgs(model=str(path), dtype="float32", max_model_len=64,
+                                max_num_batched_tokens=16, block_size=4, max_num_seqs=4,
+                                num_gpu_blocks_override=64, disable_log_requests=True,
+                                async_scheduling=False)
+    config = sync_args.create_engine_config()
 
     @settings(max_examples=12, deadline=None)
     @given(requests=st.lists(timed_scenarios(st.sampled_from(REAL_PROMPTS)),
                              min_size=1, max_size=6),
-           fail_at_step=st.one_of(st.none(), st.none(), st.integers(0, 20)))
-    def run(requests: list[TimedScenario], fail_at_step: int | None) -> None:
+           fail_at_step=st.one_of(st.none(), st.none(), st.integers(0, 20)),
+           async_scheduling=st.booleans())
+    def run(requests: list[TimedScenario], fail_at_step: int | None,
+            async_scheduling: bool) -> None:
         EXAMPLES[f"real-model/{backend}"] += 1
+        args = dataclasses.replace(sync_args, async_scheduling=async_scheduling)
         requests = [dataclasses.replace(r, max_tokens=min(r.max_tokens, REAL_MAX_TOKENS))
                     for r in requests]
         options = {"clock": MockClock(autojump_threshold=0)} if backend == "trio" else {}

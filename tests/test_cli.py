@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -211,3 +212,24 @@ def test_tracing_flags_reach_the_engine_arguments() -> None:
     assert engine.collect_detailed_traces == ["model,worker"]
     engine, options = parse("m", "--disable-log-stats")
     assert engine.disable_log_stats and options.log_stats_interval is None
+
+
+def test_async_scheduling_flags_reach_the_engine_config() -> None:
+    cpu = {"model": "triollm/tiny-demo", "device": "cpu"}
+    engine, _ = parse("m", "--async-scheduling")
+    assert engine.async_scheduling is True
+    assert dataclasses.replace(engine, **cpu).create_engine_config().scheduler.async_scheduling
+    engine, _ = parse("m", "--no-async-scheduling")
+    assert engine.async_scheduling is False
+    engine, _ = parse("m")
+    assert engine.async_scheduling is None
+    # The default: off on CPU, where the model's threads take every core.
+    config = dataclasses.replace(engine, **cpu).create_engine_config()
+    assert config.scheduler.async_scheduling is False
+
+
+def test_llm_refuses_async_scheduling_naming_it() -> None:
+    from triollm import LLM
+
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(async_scheduling=True)

@@ -10,6 +10,7 @@ a real model, the KV at a position stands for the whole sequence up to it.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import pytest
@@ -18,7 +19,8 @@ from hypothesis import strategies as st
 
 from triollm import EngineArgs, SamplingParams
 from triollm.engine.core import EngineCore
-from triollm.step import RunnerOutput, SchedulerOutput
+from triollm.outputs import EngineOutput
+from triollm.step import PENDING_TOKEN, RunnerOutput, SchedulerOutput, fill_pending_tokens
 from triollm.testing import FakeModelRunner, fake_completion
 
 VOCAB = 500
@@ -42,6 +44,7 @@ class CheckingRunner(FakeModelRunner):
         for request_id in scheduler_output.finished_request_ids:
             self.sequences.pop(request_id, None)
         assert sum(item.num_tokens for item in scheduled) <= self.limits["budget"]
+        assert all(PENDING_TOKEN not in item.token_ids for item in scheduled)
         assert len({item.request_id for item in scheduled}) == len(scheduled)
         written: dict[int, str] = {}
         for item in scheduled:
@@ -71,6 +74,43 @@ class CheckingRunner(FakeModelRunner):
         for request_id, token in output.sampled_token_ids.items():
             self.sequences[request_id].append(token)
         return output
+
+
+class Pipeline:
+    """Drives the core as ``AsyncLLMEngine`` does with ``async_scheduling``: the next
+    step is scheduled before the previous one is processed. ``eager``: the runner
+    computes each step as soon as it is scheduled (the model thread got to it before
+    the loop processed the previous one); otherwise only when its results are needed
+    (after any abort made meanwhile)."""
+
+    def __init__(self, core: EngineCore, runner: CheckingRunner, *, eager: bool) -> None:
+        self.core = core
+        self.runner = runner
+        self.eager = eager
+        self.in_flight: deque[tuple[SchedulerOutput, RunnerOutput | None]] = deque()
+        self.sampled: dict[str, int] = {}
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        fill_pending_tokens(scheduler_output, self.sampled)
+        output = self.runner.execute_model(scheduler_output)
+        self.sampled = output.sampled_token_ids
+        return output
+
+    def step(self) -> list[EngineOutput]:
+        while len(self.in_flight) < 2:
+            scheduler_output = self.core.schedule()
+            if scheduler_output.is_empty:
+                if not self.in_flight and scheduler_output.finished_request_ids:
+                    self.runner.execute_model(scheduler_output)
+                break
+            self.in_flight.append((scheduler_output, self._execute(scheduler_output)
+                                   if self.eager else None))
+        if not self.in_flight:
+            return []
+        scheduler_output, output = self.in_flight.popleft()
+        if output is None:
+            output = self._execute(scheduler_output)
+        return self.core.process(scheduler_output, output)
 
 
 def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
@@ -113,16 +153,22 @@ request_strategy = st.tuples(
     chunked=st.booleans(),
     caching=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority", "slo"]),
+    pipelined=st.sampled_from([None, "eager", "lazy"]),
 )
 def test_outputs_are_independent_of_scheduling_and_blocks_never_leak(
     tokenizer: Any, requests: list[tuple[list[int], int, int, int | None, int]], budget: int,
     max_num_seqs: int, block_size: int, spare_blocks: int, chunked: bool, caching: bool,
-    policy: str,
+    policy: str, pipelined: str | None,
 ) -> None:
+    """Also with asynchronous scheduling (``pipelined``): each step scheduled while the
+    previous one is in flight, computed before or after the aborts made meanwhile."""
     min_blocks = -(-MAX_MODEL_LEN // block_size)
-    core, _runner = make_core(tokenizer, budget=budget, max_num_seqs=max_num_seqs,
+    core, runner = make_core(tokenizer, budget=budget, max_num_seqs=max_num_seqs,
                              block_size=block_size, num_blocks=min_blocks + spare_blocks,
                              chunked=chunked, caching=caching, policy=policy)
+    pipeline = None if pipelined is None else Pipeline(core, runner,
+                                                       eager=pipelined == "eager")
+    step_once = core.step if pipeline is None else pipeline.step
     finals: dict[str, Any] = {}
     aborted: set[str] = set()
     step = 0
@@ -141,7 +187,7 @@ def test_outputs_are_independent_of_scheduling_and_blocks_never_leak(
                 for output in core.abort_requests([str(index)]):
                     aborted.add(output.request_id)
                     finals[output.request_id] = output
-        for output in core.step():
+        for output in step_once():
             assert output.request_id not in finals, "output after the final one"
             if output.finished:
                 finals[output.request_id] = output
@@ -150,6 +196,9 @@ def test_outputs_are_independent_of_scheduling_and_blocks_never_leak(
         step += 1
         assert step < 5000, "no progress"
 
+    while pipeline is not None and pipeline.in_flight:  # steps of requests aborted late
+        assert step_once() == []
+    assert not core.scheduler.has_steps_in_flight()
     note(f"steps={step} preemptions={core.statistics().num_preemptions}")
     stats = core.statistics()
     assert stats.num_free_blocks == stats.num_total_blocks

@@ -63,6 +63,8 @@ _HELP = {
     "max_num_seqs": "most sequences in one engine step",
     "enable_chunked_prefill": "split long prompts across steps",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+    "async_scheduling": "schedule each step while the previous one computes (default: on "
+                        "for generation models on CUDA, off on CPU and for pooling models)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
     "trust_remote_code": "allow a model directory's own modeling code",
     "max_logprobs": "the most logprobs or prompt_logprobs one request may ask for; -1: "
@@ -139,7 +141,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         if field.name == "served_model_name":
             parser.add_argument(flag, nargs="+", default=None, help=help_text)
             continue
-        if kind is bool:
+        if kind is bool or kind == bool | None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
                                 default=field.default, help=help_text)
             continue

@@ -131,6 +131,8 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     policy: SchedulingPolicy
+    #: Schedule each step while the previous one computes (the async engine only).
+    async_scheduling: bool = False
     #: Distinct LoRA adapters among the running requests (None: LoRA is off).
     max_loras: int | None = None
 

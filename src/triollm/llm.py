@@ -54,7 +54,12 @@ class LLM:
         from triollm.model.loader import load_tokenizer
         from triollm.model.runners import create_runner
 
-        config = EngineArgs(model=model, **engine_args).create_engine_config()
+        if engine_args.get("async_scheduling"):
+            raise ValueError("async_scheduling: LLM runs each step in the calling thread, "
+                             "so none can be scheduled while another computes; use "
+                             "AsyncLLMEngine (or triollm serve) for it")
+        config = EngineArgs(model=model, **{**engine_args, "async_scheduling": False}
+                            ).create_engine_config()
         self.tokenizer = load_tokenizer(config.model.tokenizer,
                                         trust_remote_code=config.model.trust_remote_code,
                                         revision=config.model.tokenizer_revision,

@@ -141,7 +141,7 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
                 "--enable-ssl-refresh", "--tokens-only", "--trust-request-chat-template",
                 "--exclude-tools-when-tool-choice-none", "--return-sampling-mask",
                 "--enable-return-routed-experts", "--scheduler-reserve-full-isl",
-                "--long-prefill-token-threshold-adaptive", "--async-scheduling",
+                "--long-prefill-token-threshold-adaptive",
                 "--disable-hybrid-kv-cache-manager", "--kv-sharing-fast-prefill",
                 "--disable-sliding-window", "--enable-cumem-allocator", "--grpc",
                 "--fail-on-environ-validation", "--cohere-is-reasoning-model",

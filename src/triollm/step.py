@@ -17,8 +17,13 @@ from triollm.lora.request import LoRARequest
 from triollm.pooling_params import PoolingParams
 from triollm.sampling_params import SamplingParams
 
-__all__ = ["LoRAModelRunner", "ModelRunner", "RunnerOutput", "ScheduledRequest", "SchedulerOutput",
-           "TokenLogprobs"]
+__all__ = ["PENDING_TOKEN", "LoRAModelRunner", "ModelRunner", "RunnerOutput", "ScheduledRequest",
+           "SchedulerOutput", "TokenLogprobs", "fill_pending_tokens"]
+
+#: With asynchronous scheduling a step is scheduled while the previous one computes, so
+#: the token that step samples for a request is not known yet: the scheduler writes this
+#: in its place, and ``fill_pending_tokens`` replaces it before a runner sees the step.
+PENDING_TOKEN = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,20 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+
+def fill_pending_tokens(output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
+    """Replace each ``PENDING_TOKEN`` in ``output`` with the token the previous step
+    sampled for that request (``sampled_token_ids``: that step's
+    ``RunnerOutput.sampled_token_ids``), in place.
+
+    A request the previous step did not sample for is one whose part of it failed; the
+    engine fails it before this step's outputs are read, so its slot gets token 0 only to
+    keep the batch well-formed, and what the step computes for it is discarded.
+    """
+    for item in output.scheduled:
+        token_ids = item.token_ids
+        if token_ids and token_ids[-1] == PENDING_TOKEN:
+            token_ids[-1] = sampled_token_ids.get(item.request_id, 0)
 
 
 @dataclass(frozen=True, slots=True)

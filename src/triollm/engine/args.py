@@ -182,6 +182,11 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    #: Schedule each step while the previous one computes (``AsyncLLMEngine`` and the
+    #: server). None: on for generation models on CUDA, as vLLM's default; off for
+    #: pooling models and on CPU, where the model's threads take every core and the
+    #: event loop's work could not overlap with a step (docs/benchmarks.md).
+    async_scheduling: bool | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_space_gb: float = 4.0
@@ -315,6 +320,8 @@ class EngineArgs:
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
+            async_scheduling=(runner == "generate" and device.type == "cuda"
+                              if self.async_scheduling is None else self.async_scheduling),
             policy=next(p for p in POLICIES if p == self.scheduling_policy),
             max_loras=self.max_loras if self.enable_lora else None,
         )
@@ -489,6 +496,9 @@ class EngineArgs:
         positive_int("max_lora_rank", self.max_lora_rank)
         if self.max_cpu_loras is not None:
             positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.async_scheduling not in (None, True, False):
+            raise _fail("async_scheduling", f"must be True, False or None, got "
+                        f"{self.async_scheduling!r}")
         if not isinstance(self.enable_lora, bool):
             raise _fail("enable_lora", f"must be True or False, got {self.enable_lora!r}")
         if not isinstance(self.seed, int):

@@ -3,7 +3,10 @@
 ``run`` owns the model thread (engine/worker.py) and the step loop; nothing starts
 implicitly and nothing outlives it. The loop sleeps on an event while there is no
 work, schedules and processes on the event loop, and runs the model step in the
-model thread. Outputs go to one ``RequestChannel`` per request (engine/channel.py),
+model thread. With asynchronous scheduling (``async_scheduling``; on CUDA by default) it
+schedules the next step and hands it to the thread before it processes the step that
+just ended, so the thread goes from one step to the next without waiting for the loop.
+Outputs go to one ``RequestChannel`` per request (engine/channel.py),
 which never blocks the loop. Aborts take effect in the core at once; a failed step
 fails every stream with ``EngineDeadError`` before ``run`` re-raises; on shutdown,
 open streams get ``EngineClosedError``. The full contract is in docs/concurrency.md.
@@ -11,9 +14,11 @@ open streams get ``EngineClosedError``. The full contract is in docs/concurrency
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import sys
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from contextlib import aclosing
 from types import TracebackType
@@ -34,13 +39,13 @@ from triollm.engine.stats import (
     stat_logger_list,
 )
 from triollm.engine.tracing import RequestTracer
-from triollm.engine.worker import ModelWorker, open_model_worker
+from triollm.engine.worker import ModelJob, ModelWorker, open_model_worker
 from triollm.errors import EngineClosedError, EngineDeadError, RequestFailedError
 from triollm.lora.request import LoRARequest
 from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from triollm.pooling_params import PoolingParams
 from triollm.sampling_params import SamplingParams
-from triollm.step import LoRAModelRunner
+from triollm.step import LoRAModelRunner, RunnerOutput, SchedulerOutput, fill_pending_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -260,27 +265,56 @@ class AsyncLLMEngine:
 
     async def _step_loop(self, core: EngineCore, runner: ModelRunner,
                          worker: ModelWorker) -> None:
-        while True:
-            scheduler_output = core.schedule()
-            if scheduler_output.is_empty:
-                if core.has_unfinished_requests():
-                    raise RuntimeError("the scheduler can make no progress")
-                if scheduler_output.finished_request_ids:  # let the runner drop their state
-                    await worker.run_sync(runner.execute_model, scheduler_output)
-                await self._wait_for_work(core)
-                continue
-            runner_output = await worker.run_sync(runner.execute_model, scheduler_output)
-            self._num_steps += 1
-            for output in core.process(scheduler_output, runner_output):
-                self._deliver(output)
-            for failure in core.take_failures():
-                logger.error("request %s failed: %s", failure.request_id, failure.error)
-                self._channels.fail(failure.request_id, failure.engine_id, RequestFailedError(
-                    f"request {failure.request_id!r} failed: {failure.error}"))
-            self._record_stats()
-            # Only a cancellation point, not a yield: the request tasks woken by this
-            # step's outputs run while the next step computes, not before it starts.
-            await anyio.lowlevel.checkpoint_if_cancelled()
+        # Steps handed to the model thread and not processed yet, oldest first: one, or
+        # with asynchronous scheduling two (the next is scheduled while one computes).
+        depth = 2 if self.config.scheduler.async_scheduling else 1
+        in_flight: deque[tuple[SchedulerOutput, ModelJob[RunnerOutput]]] = deque()
+        # The tokens the last step sampled, for the next step's pending tokens. Only the
+        # model thread reads and writes it, one step after the other.
+        sampled: dict[str, int] = {}
+
+        def execute(scheduler_output: SchedulerOutput) -> RunnerOutput:
+            nonlocal sampled
+            fill_pending_tokens(scheduler_output, sampled)
+            runner_output = runner.execute_model(scheduler_output)
+            sampled = runner_output.sampled_token_ids
+            return runner_output
+
+        try:
+            while True:
+                while len(in_flight) < depth:
+                    scheduler_output = core.schedule()
+                    if scheduler_output.is_empty:
+                        break
+                    in_flight.append(
+                        (scheduler_output, worker.submit(execute, scheduler_output)))
+                if not in_flight:  # nothing computes, and nothing could be scheduled
+                    if core.has_unfinished_requests():
+                        raise RuntimeError("the scheduler can make no progress")
+                    if scheduler_output.finished_request_ids:  # the runner drops their state
+                        await worker.run_sync(runner.execute_model, scheduler_output)
+                    await self._wait_for_work(core)
+                    continue
+                scheduler_output, job = in_flight.popleft()
+                runner_output = await job.wait()
+                self._num_steps += 1
+                for output in core.process(scheduler_output, runner_output):
+                    self._deliver(output)
+                for failure in core.take_failures():
+                    logger.error("request %s failed: %s", failure.request_id, failure.error)
+                    self._channels.fail(failure.request_id, failure.engine_id,
+                                        RequestFailedError(f"request {failure.request_id!r} "
+                                                           f"failed: {failure.error}"))
+                self._record_stats()
+                # Only a cancellation point, not a yield: the request tasks woken by this
+                # step's outputs run while the next step computes, not before it starts.
+                await anyio.lowlevel.checkpoint_if_cancelled()
+        finally:
+            # Never leave while the thread still computes a step of ours. After a failed
+            # step the next one's error is the same story told twice: the first is raised.
+            for _, job in in_flight:
+                with contextlib.suppress(Exception):
+                    await job.wait()
 
     async def _wait_for_work(self, core: EngineCore) -> None:
         while not core.has_unfinished_requests():

@@ -345,7 +345,11 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         scheduler_output = self.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except BaseException:
+            self.scheduler.discard_in_flight(scheduler_output)
+            raise
         return self.process(scheduler_output, runner_output)
 
     def schedule(self) -> SchedulerOutput:

@@ -17,6 +17,15 @@ Policies (docs/scheduling.md):
   the measured steps) stays under the tightest of their SLOs; other requests fill
   what is left. Without latency-sensitive requests it schedules as ``fcfs``.
 
+Asynchronous scheduling (vLLM's ``async_scheduling``): the engine may schedule the next
+step while the previous one still computes. The scheduler counts the tokens of steps
+scheduled but not yet applied (``update_computed_tokens``) as computed, and a token such
+a step samples as already there (``PENDING_TOKEN`` in the new step, filled in before it
+runs). A request whose pending token reaches its length limit is not scheduled again;
+one that a stop token or string ends wastes that one token's work, which is discarded.
+Preemption only happens with nothing in flight: where it would be needed, the scheduler
+schedules nothing more until the steps in flight are applied, then preempts as usual.
+
 No torch, no event loop.
 """
 
@@ -30,7 +39,7 @@ from typing import TYPE_CHECKING
 from triollm.engine.block_manager import BlockManager
 from triollm.engine.request import Request, RequestStatus
 from triollm.engine.step_time import StepShape, StepTimeModel, attention_pairs
-from triollm.step import ScheduledRequest, SchedulerOutput
+from triollm.step import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from triollm.config import SchedulerConfig
@@ -72,8 +81,9 @@ class _StepBudget:
         self.attention = 0
         self.unlimited_tokens_left = UNFITTED_FILL_TOKENS
 
-    def grant(self, request: Request, wanted: int) -> int:
-        """How many of ``wanted`` tokens ``request`` may compute in this step."""
+    def grant(self, request: Request, start: int, wanted: int) -> int:
+        """How many of ``wanted`` tokens ``request`` may compute in this step, from
+        position ``start``."""
         limit = min(wanted, self.tokens_left)
         if limit <= 0 or self.time_limit is None or self.model is None:
             return limit
@@ -82,10 +92,10 @@ class _StepBudget:
             # from stretching the step beyond it (when prompts can be chunked at all).
             if not self.chunked_prefill:
                 return limit
-            return max(1, self._fits(request.num_computed_tokens, limit))
+            return max(1, self._fits(start, limit))
         if not self.model.is_fitted:
             return min(limit, self.unlimited_tokens_left)
-        return self._fits(request.num_computed_tokens, limit)
+        return self._fits(start, limit)
 
     def _fits(self, start: int, limit: int) -> int:
         """The largest n <= limit whose addition keeps the predicted time in the limit."""
@@ -108,11 +118,11 @@ class _StepBudget:
             self.attention + attention_pairs(start, num_tokens)))
         return predicted if predicted is not None else 0.0
 
-    def take(self, request: Request, num_tokens: int) -> None:
+    def take(self, request: Request, start: int, num_tokens: int) -> None:
         self.tokens_left -= num_tokens
         self.num_tokens += num_tokens
         self.num_sequences += 1
-        self.attention += attention_pairs(request.num_computed_tokens, num_tokens)
+        self.attention += attention_pairs(start, num_tokens)
         if not request.is_latency_sensitive:
             self.unlimited_tokens_left -= num_tokens
 
@@ -133,6 +143,12 @@ class Scheduler:
         self._ranked = config.policy != "fcfs"
         self.step_time_model: StepTimeModel | None = (
             StepTimeModel() if config.policy == "slo" else None)
+        #: Per request, the tokens of steps scheduled but not yet applied, and how many
+        #: of those steps sample a token for it (0 or 1 when one step is scheduled ahead).
+        self._in_flight: dict[str, list[int]] = {}
+        #: Set when a step scheduled ahead found it would have to preempt: nothing more
+        #: is scheduled until the steps in flight are applied.
+        self._must_drain = False
 
     def _rank(self, request: Request) -> tuple[int, int, float]:
         sensitive = self.config.policy == "slo" and request.is_latency_sensitive
@@ -177,43 +193,70 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._queued)
 
+    def has_steps_in_flight(self) -> bool:
+        """Whether a scheduled step's results have not been applied yet."""
+        return bool(self._in_flight)
+
     # -- the step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. While earlier steps are in flight (asynchronous scheduling) it
+        starts where they end, and may be empty where the engine must first apply
+        them."""
         self._drop_finished()
+        ahead = bool(self._in_flight)
+        if not ahead:
+            self._must_drain = False
+        elif self._must_drain or (self._ranked and self._would_displace()):
+            self._must_drain = True
+            # Finished ids stay for the next step that runs.
+            return SchedulerOutput(scheduled=[], num_batched_tokens=0)
         max_tokens = self.config.max_num_batched_tokens
         budget = _StepBudget(max_tokens, self._step_time_limit(), self.step_time_model,
                              chunked_prefill=self.config.enable_chunked_prefill)
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        displaced = self._make_room_for_waiting() if self._ranked else []
+        displaced = self._make_room_for_waiting() if self._ranked and not ahead else []
 
         # Running requests, in policy order. Victims come from the end of the list, so
         # a victim has never been scheduled in this step (or is the request itself).
         index = 0
         while index < len(self.running) and budget.tokens_left > 0:
             request = self.running[index]
-            wanted = request.num_tokens - request.num_computed_tokens
-            if wanted <= 0:  # cannot happen for a running request; guards an endless loop
+            start, total = request.num_computed_tokens, request.num_tokens
+            flight = self._in_flight.get(request.request_id)
+            if flight is not None:
+                start += flight[0]
+                if flight[1]:
+                    if not self._continues_after(request, flight[1]):
+                        index += 1
+                        continue
+                    total += flight[1]
+            wanted = total - start
+            if wanted <= 0:
+                if flight is not None:  # all of it is in flight already
+                    index += 1
+                    continue
+                # Cannot happen for a running request; guards an endless loop.
                 raise RuntimeError(f"{request!r} is running with nothing to compute")
-            num_new = budget.grant(request, wanted)
+            num_new = budget.grant(request, start, wanted)
             if num_new == 0:  # no time left for it in this step; it waits one step
                 index += 1
                 continue
-            while not self.block_manager.allocate(
-                request.request_id, request.num_computed_tokens + num_new
-            ):
+            allocated = self.block_manager.allocate(request.request_id, start + num_new)
+            while not allocated and not ahead:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
-            else:
-                scheduled.append(self._schedule(request, num_new))
-                budget.take(request, num_new)
-                index += 1
-                continue
-            break
+                allocated = self.block_manager.allocate(request.request_id, start + num_new)
+            if not allocated:
+                self._must_drain = ahead
+                break
+            scheduled.append(self._schedule(request, start, num_new, total))
+            budget.take(request, start, num_new)
+            index += 1
 
         # Like vLLM: admit nothing new in a step that had to preempt.
         adapters = self._running_adapters()
@@ -224,8 +267,8 @@ class Scheduler:
         # Requests for the base model still go ahead.
         adapter_blocked = False
         index = 0
-        while (not preempted and index < len(self.waiting) and budget.tokens_left > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while (not preempted and not self._must_drain and index < len(self.waiting)
+               and budget.tokens_left > 0 and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[index]
             adapter = request.adapter_key
             if adapter is not None and max_loras is not None and (
@@ -241,7 +284,7 @@ class Scheduler:
                     request.request_id, request.all_token_ids, salt=request.cache_salt,
                     adapter=adapter)
             wanted = request.num_tokens - request.num_computed_tokens
-            num_new = budget.grant(request, wanted)
+            num_new = budget.grant(request, request.num_computed_tokens, wanted)
             if num_new < wanted and (num_new == 0 or not self.config.enable_chunked_prefill):
                 self._detach(request)
                 break
@@ -257,9 +300,12 @@ class Scheduler:
                 bisect.insort_right(self.running, request, key=self._rank)
             else:
                 self.running.append(request)
-            scheduled.append(self._schedule(request, num_new))
-            budget.take(request, num_new)
+            scheduled.append(self._schedule(request, request.num_computed_tokens, num_new,
+                                            request.num_tokens))
+            budget.take(request, request.num_computed_tokens, num_new)
 
+        if ahead and not scheduled:
+            return SchedulerOutput(scheduled=[], num_batched_tokens=0)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(
             scheduled=scheduled,
@@ -289,6 +335,30 @@ class Scheduler:
                     tightest = request.slo
         return None if tightest is None else tightest * SLO_HEADROOM
 
+    def _continues_after(self, request: Request, num_pending: int) -> bool:
+        """Whether ``request`` may still need a step once the ``num_pending`` tokens
+        sampled for it in flight are appended: not where they reach its length limits
+        (the checks ``OutputProcessor.check_stop`` makes), nor for a pooling request,
+        which is done once its prompt is pooled."""
+        params = request.sampling_params
+        if params is None:
+            return False
+        if (params.max_tokens is not None
+                and request.num_output_tokens + num_pending >= params.max_tokens):
+            return False
+        return request.num_tokens + num_pending < self.config.max_model_len
+
+    def _would_displace(self) -> bool:
+        """Whether ``_make_room_for_waiting`` would preempt a running request now."""
+        if not self.waiting or not self.running:
+            return False
+        head, victim = self.waiting[0], self.running[-1]
+        if not self._rank(head) < self._rank(victim):
+            return False
+        first_chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
+        return not (len(self.running) < self.config.max_num_seqs
+                    and self.block_manager.can_allocate(head.request_id, first_chunk))
+
     def _make_room_for_waiting(self) -> list[str]:
         """A waiting request that outranks the last running one preempts it while batch
         slots or blocks are too short to admit the waiting one."""
@@ -315,15 +385,27 @@ class Scheduler:
         self.step_time_model.observe(
             StepShape(output.num_batched_tokens, len(output.scheduled), attention), seconds)
 
-    def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
+    def _schedule(self, request: Request, start: int, num_new: int,
+                  total: int) -> ScheduledRequest:
+        """``num_new`` tokens of ``request`` from position ``start``, of ``total`` (its
+        tokens with those sampled in flight), recorded as in flight."""
         end = start + num_new
+        token_ids = request.all_token_ids[start:end]
+        if end > request.num_tokens:  # tokens the steps in flight sample
+            token_ids.extend([PENDING_TOKEN] * (end - max(start, request.num_tokens)))
+        sample = end == total
+        flight = self._in_flight.get(request.request_id)
+        if flight is None:
+            self._in_flight[request.request_id] = [num_new, int(sample)]
+        else:
+            flight[0] += num_new
+            flight[1] += sample
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=token_ids,
             start_position=start,
             block_table=list(self.block_manager.block_table(request.request_id)),
-            sample=end == request.num_tokens,
+            sample=sample,
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
             pooling_params=request.pooling_params,
@@ -347,8 +429,21 @@ class Scheduler:
         else:
             self.waiting.insert(0, request)
 
+    def discard_in_flight(self, output: SchedulerOutput) -> None:
+        """A step that will never be applied (its runner raised): its tokens stop
+        counting as in flight, and are scheduled again."""
+        for item in output.scheduled:
+            flight = self._in_flight.get(item.request_id)
+            if flight is not None:
+                flight[0] -= item.num_tokens
+                flight[1] -= item.sample
+                if flight[0] <= 0:
+                    del self._in_flight[item.request_id]
+
     def update_computed_tokens(self, output: SchedulerOutput) -> None:
-        """After a step ran: the scheduled tokens now have their KV in the cache."""
+        """After a step ran (the oldest in flight): the scheduled tokens now have their
+        KV in the cache."""
+        self.discard_in_flight(output)
         for item in output.scheduled:
             request = self._queued.get(item.request_id)
             if request is not None and request.status is RequestStatus.RUNNING:

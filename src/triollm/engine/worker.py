@@ -13,7 +13,9 @@ as long as it runs Python (the request tasks sending the last step's tokens, say
 under a server's load the next step started 0.9 ms (median) after it was submitted.
 So the loop blocks until the thread has taken the job, for at most ``HANDOFF_SECONDS``;
 that wait releases the GIL, the thread takes it, and the next step starts within about
-40 µs.
+40 µs. With asynchronous scheduling the next step is submitted while the previous one
+computes (``submit``, then ``ModelJob.wait``), and the thread goes from one to the other
+without a hand-off at all.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TypeVar, TypeVarTuple
+from typing import Generic, TypeVar, TypeVarTuple
 
 import anyio
 import anyio.from_thread
@@ -32,13 +34,32 @@ import sniffio
 import trio
 import trio.lowlevel
 
-__all__ = ["HANDOFF_SECONDS", "ModelWorker", "open_model_worker"]
+__all__ = ["HANDOFF_SECONDS", "ModelJob", "ModelWorker", "open_model_worker"]
 
 #: The longest the event loop blocks for an idle model thread to take a job.
 HANDOFF_SECONDS = 0.001
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+
+
+class ModelJob(Generic[T]):
+    """One call submitted to the model thread: ``wait`` for its result."""
+
+    def __init__(self) -> None:
+        self._done = anyio.Event()
+        # Written by the model thread before ``_done`` is set: one value or one error.
+        self._values: list[T] = []
+        self._errors: list[BaseException] = []
+
+    async def wait(self) -> T:
+        """The call's result (or its exception). Cancellation waits for the call to
+        finish first: the caller never leaves while the thread still runs it."""
+        with anyio.CancelScope(shield=True):
+            await self._done.wait()
+        if self._errors:
+            raise self._errors[0]
+        return self._values[0]
 
 
 class ModelWorker:
@@ -50,7 +71,7 @@ class ModelWorker:
         #: Jobs for the thread; None tells it to stop.
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        #: Jobs submitted whose waiting task has not resumed yet (event loop only).
+        #: Jobs submitted whose completion the loop has not seen yet (event loop only).
         self._outstanding = 0
         self._thread.start()
 
@@ -61,35 +82,35 @@ class ModelWorker:
     async def run_sync(self, function: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run ``function(*args)`` in the model thread and return its result (or raise
         its exception). Cancellation waits for the call to finish first."""
-        done = anyio.Event()
+        return await self.submit(function, *args).wait()
+
+    def submit(self, function: Callable[[*Ts], T], *args: *Ts) -> ModelJob[T]:
+        """Queue ``function(*args)`` for the model thread, after the calls already
+        queued. Call from the event loop; ``wait`` on the job for its result (every job
+        should be waited on: that is how the loop knows the thread is done with it)."""
+        result: ModelJob[T] = ModelJob()
         taken = threading.Event()
-        # Written by the model thread before it sets ``done``: one value or one error.
-        values: list[T] = []
-        errors: list[BaseException] = []
+
+        def finished() -> None:  # on the event loop
+            self._outstanding -= 1
+            result._done.set()
 
         def job() -> None:
             taken.set()
             try:
-                values.append(function(*args))
+                result._values.append(function(*args))
             except BaseException as error:  # handed to the waiting task
-                errors.append(error)
+                result._errors.append(error)
             finally:
-                self._call_soon(done.set)
+                self._call_soon(finished)
 
         idle = self._outstanding == 0
         self._outstanding += 1
-        try:
-            self._jobs.put(job)
-            if idle:
-                # Deliberately blocking, briefly: see the module's docstring.
-                taken.wait(HANDOFF_SECONDS)
-            with anyio.CancelScope(shield=True):
-                await done.wait()
-        finally:
-            self._outstanding -= 1
-        if errors:
-            raise errors[0]
-        return values[0]
+        self._jobs.put(job)
+        if idle:
+            # Deliberately blocking, briefly: see the module's docstring.
+            taken.wait(HANDOFF_SECONDS)
+        return result
 
     def _main(self) -> None:
         while True:
