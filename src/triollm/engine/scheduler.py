@@ -349,7 +349,8 @@ class Scheduler:
         return request.num_tokens + num_pending < self.config.max_model_len
 
     def _would_displace(self) -> bool:
-        """Whether ``_make_room_for_waiting`` would preempt a running request now."""
+        """Whether the head of the waiting queue outranks the last running request while
+        batch slots or blocks are too short to admit it."""
         if not self.waiting or not self.running:
             return False
         head, victim = self.waiting[0], self.running[-1]
@@ -363,15 +364,8 @@ class Scheduler:
         """A waiting request that outranks the last running one preempts it while batch
         slots or blocks are too short to admit the waiting one."""
         displaced: list[str] = []
-        while self.waiting and self.running:
-            head, victim = self.waiting[0], self.running[-1]
-            if not self._rank(head) < self._rank(victim):
-                break
-            first_chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
-            if (len(self.running) < self.config.max_num_seqs
-                    and self.block_manager.can_allocate(head.request_id, first_chunk)):
-                break
-            self.running.pop()
+        while self._would_displace():
+            victim = self.running.pop()
             self._preempt(victim)
             displaced.append(victim.request_id)
         return displaced
@@ -432,6 +426,10 @@ class Scheduler:
     def discard_in_flight(self, output: SchedulerOutput) -> None:
         """A step that will never be applied (its runner raised): its tokens stop
         counting as in flight, and are scheduled again."""
+        self._land(output)
+
+    def _land(self, output: SchedulerOutput) -> None:
+        """``output``'s tokens stop counting as in flight."""
         for item in output.scheduled:
             flight = self._in_flight.get(item.request_id)
             if flight is not None:
@@ -443,7 +441,7 @@ class Scheduler:
     def update_computed_tokens(self, output: SchedulerOutput) -> None:
         """After a step ran (the oldest in flight): the scheduled tokens now have their
         KV in the cache."""
-        self.discard_in_flight(output)
+        self._land(output)
         for item in output.scheduled:
             request = self._queued.get(item.request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
