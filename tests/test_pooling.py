@@ -200,14 +200,17 @@ def test_a_generation_model_refuses_pooling(llama_llm: Any) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("async_scheduling", [False, True])
 async def test_async_encode_matches_and_leaves_nothing_behind(
-        pooling_models: dict[str, Path]) -> None:
+        pooling_models: dict[str, Path], async_scheduling: bool) -> None:
+    """Also with asynchronous scheduling, which admits prompts while a step computes and
+    never schedules a pooled prompt twice."""
     from triollm import AsyncEngineArgs, AsyncLLMEngine, PoolingParams
 
     path = pooling_models["bert"]
     reference = reference_embeddings(path, TEXTS)
-    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(path), dtype="float32",
-                                                             max_num_seqs=3))
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+        model=str(path), dtype="float32", max_num_seqs=3, async_scheduling=async_scheduling))
     results: dict[int, Any] = {}
     async with engine:
         async def one(index: int) -> None:
