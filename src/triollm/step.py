@@ -81,9 +81,10 @@ class SchedulerOutput:
 
 
 def fill_pending_tokens(output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
-    """Replace each ``PENDING_TOKEN`` in ``output`` with the token the previous step
-    sampled for that request (``sampled_token_ids``: that step's
-    ``RunnerOutput.sampled_token_ids``), in place.
+    """Replace the ``PENDING_TOKEN`` that ends a request's tokens in ``output`` with the
+    token the previous step sampled for it (``sampled_token_ids``: that step's
+    ``RunnerOutput.sampled_token_ids``), in place. A request has at most one: only one
+    step is ever scheduled ahead of the one computing.
 
     A request the previous step did not sample for is one whose part of it failed; the
     engine fails it before this step's outputs are read, so its slot gets token 0 only to

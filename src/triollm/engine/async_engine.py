@@ -14,13 +14,12 @@ open streams get ``EngineClosedError``. The full contract is in docs/concurrency
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import sys
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from types import TracebackType
 from typing import TYPE_CHECKING, NoReturn
 
@@ -313,7 +312,7 @@ class AsyncLLMEngine:
             # Never leave while the thread still computes a step of ours. After a failed
             # step the next one's error is the same story told twice: the first is raised.
             for _, job in in_flight:
-                with contextlib.suppress(Exception):
+                with suppress(Exception):
                     await job.wait()
 
     async def _wait_for_work(self, core: EngineCore) -> None:
