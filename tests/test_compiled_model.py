@@ -15,7 +15,8 @@ from torch._dynamo.utils import counters
 
 from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import LLM, SamplingParams
-from triollm.model import packed_linear
+from triollm.model import packed_linear, torch_runner
+from triollm.model.cpu_gemm import load_gemm
 from triollm.testing import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -107,3 +108,81 @@ def test_a_packed_weight_is_registered_while_its_layer_lives() -> None:
     del layer
     gc.collect()
     assert handle not in packed_linear._registered
+
+
+def _bf16_compiled_llm(path: Path) -> LLM:
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=256,
+              optimization_level=2, cpu_threads=1)
+    assert llm.engine.runner.compiled, "the model should have compiled"
+    return llm
+
+
+def test_layers_on_one_input_are_one_call_with_the_same_outputs(
+        llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled bf16 Llama multiplies q, k and v in one call and gate and up in
+    another, over weights stored once, and gives what it gives without the grouping."""
+    if load_gemm() is None:
+        pytest.skip("layers are grouped on cpu_gemm.py's layout only (AVX512-BF16)")
+    calls: list[int] = []
+    linear = packed_linear._linear
+
+    def counting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+        calls.append(16 * weight.shape[0])
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(packed_linear, "_linear", counting)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+    results = {}
+    for grouped in (True, False):
+        with monkeypatch.context() as patch:
+            if not grouped:
+                patch.setattr(torch_runner, "group_shared_inputs", lambda calls: 0)
+            llm = _bf16_compiled_llm(llama_path)
+            calls.clear()
+            outputs = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+            results[grouped] = (list(calls), outputs[0].outputs[0])
+            attention = llm.engine.runner.model.model.layers[0].self_attn
+            shared = {p.packed_weight.untyped_storage().data_ptr()
+                      for p in (attention.q_proj, attention.k_proj, attention.v_proj)}
+            assert len(shared) == (1 if grouped else 3)
+    config = llm.engine.runner.model.config
+    heads = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    layers, steps = config.num_hidden_layers, params.max_tokens
+    per_layer = [heads + 2 * kv, config.hidden_size, 2 * config.intermediate_size,
+                 config.hidden_size]
+    assert results[True][0] == ([*per_layer * layers, config.vocab_size] * steps)
+    assert len(results[False][0]) == (7 * layers + 1) * steps
+    assert results[True][1].token_ids == results[False][1].token_ids
+    assert results[True][1].logprobs == results[False][1].logprobs
+
+
+def _graph_of_calls(inputs: list[int], handles: list[int]) -> torch.fx.Graph:
+    graph = torch.fx.Graph()
+    sources = [graph.placeholder(f"x{i}") for i in range(max(inputs) + 1)]
+    outputs = [graph.call_function(packed_linear.packed_linear, (sources[i], handle, 16))
+               for i, handle in zip(inputs, handles, strict=True)]
+    graph.output(tuple(outputs))
+    return graph
+
+
+def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> None:
+    if load_gemm() is None:
+        pytest.skip("layers are grouped on cpu_gemm.py's layout only (AVX512-BF16)")
+    layers = [packed_linear.PackedLinear(torch.randn(16, 8).bfloat16(), None)
+              for _ in range(3)]
+    x = torch.randn(2, 8).bfloat16()
+    expected = [layer(x) for layer in layers]
+    assert packed_linear.group_shared_inputs([(x, layer) for layer in layers[:2]]) == 1
+    assert layers[0].packed_weight.data_ptr() + layers[0].packed_weight.nbytes == (
+        layers[1].packed_weight.data_ptr())
+    first, second, third = (layer.handle for layer in layers)
+    fused = _graph_of_calls([0, 0], [first, second])
+    assert packed_linear.fuse_shared_input_calls(fused) == 1
+    module = torch.fx.GraphModule(torch.nn.Module(), fused)
+    for got, want in zip(module(x), expected[:2], strict=True):
+        assert torch.equal(got, want)
+    for inputs, handles in (([0, 0, 0], [first, second, third]), ([0, 1], [first, second]),
+                            ([0, 0], [second, first])):
+        assert packed_linear.fuse_shared_input_calls(_graph_of_calls(inputs, handles)) == 0

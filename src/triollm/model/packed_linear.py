@@ -24,14 +24,26 @@ so the cache filled with one-off primitives and held about 500 MiB after a few t
 requests (``benchmarks/memory_soak.py``). Row counts above 32 are therefore padded up to
 one of 16 sizes per power of two (at most 6.25% more rows, 3% on average): a linear layer
 shape then needs at most 32 + 16 per doubling primitives, about 160 up to 8,192 rows.
+
+Layers that read the same input (a Llama layer's q, k and v projections; its gate and
+up ones) are multiplied in one call where the model is compiled: ``group_shared_inputs``
+watches a forward, finds the runs of layers called on one tensor, and moves each run's
+weights (in cpu_gemm.py's layout) into one tensor of which each layer's is a view, so
+nothing is stored twice; ``fuse_shared_input_calls``, run on the graph ``torch.compile``
+traces, replaces each run's calls by one over the group's weights and slices of its
+result. A decode step of the 27M Llama makes 32 calls instead of 56; each call costs
+about 5 µs besides the kernel (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import threading
 import weakref
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -40,7 +52,16 @@ from transformers.pytorch_utils import Conv1D
 from triollm.model.cpu_gemm import CpuGemm, load_gemm
 from triollm.model.ops import define_op
 
-__all__ = ["PackedLinear", "pack_linear_layers", "packed_linear", "padded_rows", "pads_rows"]
+__all__ = [
+    "PackedLinear",
+    "fuse_shared_input_calls",
+    "group_shared_inputs",
+    "pack_linear_layers",
+    "packed_linear",
+    "padded_rows",
+    "pads_rows",
+    "recording_calls",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +94,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.out_features)
+        calls = getattr(_recording, "calls", None)
+        if calls is not None:
+            calls.append((x, self))
         return _linear(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -116,6 +140,106 @@ def _packed_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torc
 #: ``PackedLinear`` number ``handle``'s product, as an op a compiled graph can call.
 packed_linear = define_op("packed_linear(Tensor x, int handle, int out_features) -> Tensor",
                           _packed_linear, _packed_linear_fake)
+
+
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def recording_calls() -> Iterator[list[tuple[torch.Tensor, PackedLinear]]]:
+    """Within the block, every eager ``PackedLinear`` call on this thread is appended to
+    the list it yields, with its input, in call order."""
+    calls: list[tuple[torch.Tensor, PackedLinear]] = []
+    _recording.calls = calls
+    try:
+        yield calls
+    finally:
+        _recording.calls = None
+
+
+#: (member handles, in call order) -> (the group's handle, each member's out_features).
+_groups: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}
+
+
+def _forget_group(members: tuple[int, ...]) -> None:
+    group = _groups.pop(members, None)
+    if group is not None:
+        _registered.pop(group[0], None)
+
+
+@torch.no_grad()
+def group_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]]) -> int:
+    """Group the layers ``calls`` (``recording_calls``) shows called one after another on
+    the same input tensor: each run of two or more, all on cpu_gemm.py's layout with the
+    same input size and all with or all without a bias, gets its weights moved into one
+    tensor (each layer's packed weight becomes a view of it) registered as one more
+    handle. Returns how many groups were made."""
+    runs: list[list[PackedLinear]] = []
+    previous: torch.Tensor | None = None
+    for x, layer in calls:
+        run = runs[-1] if runs else None
+        if (run is not None and x is previous and layer not in run
+                and layer.in_features == run[0].in_features):
+            run.append(layer)
+        else:
+            runs.append([layer])
+        previous = x
+    grouped = 0
+    seen: set[int] = set()
+    for run in runs:
+        handles = tuple(layer.handle for layer in run)
+        if (len(run) < 2 or handles in _groups or seen & set(handles)
+                or any(layer.packed_weight.is_mkldnn for layer in run)
+                or len({layer.bias is None for layer in run}) > 1):
+            continue
+        seen.update(handles)
+        weight = torch.cat([layer.packed_weight for layer in run])
+        bias = None if run[0].bias is None else torch.cat(
+            [layer.bias for layer in run if layer.bias is not None])
+        blocks = 0
+        for layer in run:
+            count = layer.packed_weight.shape[0]
+            layer.packed_weight = weight[blocks:blocks + count]
+            if bias is not None:
+                layer.bias = bias[16 * blocks:16 * (blocks + count)]
+            _registered[layer.handle] = (layer.packed_weight, layer.bias)
+            blocks += count
+        handle = next(_handles)
+        _registered[handle] = (weight, bias)
+        _groups[handles] = (handle, tuple(layer.out_features for layer in run))
+        weakref.finalize(run[0], _forget_group, handles)
+        grouped += 1
+    return grouped
+
+
+def fuse_shared_input_calls(graph: torch.fx.Graph) -> int:
+    """In a graph traced by ``torch.compile``, replace the ``packed_linear`` calls of each
+    group ``group_shared_inputs`` made, where all of its members are called on one input,
+    by one call over the group's weights and a slice of its result for each member.
+    Returns how many groups were fused."""
+    calls_on: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is packed_linear and not node.kwargs:
+            source = node.args[0]
+            if isinstance(source, torch.fx.Node):
+                calls_on.setdefault(source, []).append(node)
+    fused = 0
+    for source, nodes in calls_on.items():
+        group = _groups.get(tuple(int(node.args[1]) for node in nodes))  # type: ignore[arg-type]
+        if group is None:
+            continue
+        handle, sizes = group
+        with graph.inserting_before(nodes[0]):
+            whole = graph.call_function(packed_linear, (source, handle, sum(sizes)))
+            start = 0
+            for node, size in zip(nodes, sizes, strict=True):
+                part = graph.call_function(torch.narrow, (whole, -1, start, size))
+                node.replace_all_uses_with(part)
+                start += size
+        for node in nodes:
+            graph.erase_node(node)
+        fused += 1
+    return fused
 
 
 def padded_rows(rows: int) -> int:

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,11 @@ from triollm.model.cpu_helpers import drain_pools
 from triollm.model.cpu_threads import ComputeThreads, prepare_for_cpu
 from triollm.model.loader import load_model
 from triollm.model.lora_manager import LoRAManager
+from triollm.model.packed_linear import (
+    fuse_shared_input_calls,
+    group_shared_inputs,
+    recording_calls,
+)
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 
@@ -54,6 +59,17 @@ _MAX_DECODE_PADDING = 1.25
 #: at most this many keys. (Few decodes of mixed lengths: one call instead of 3-4,
 #: about 1.5-2.5x faster attention; ``benchmarks/decode_attention.py --mixed``.)
 _KERNEL_PADDING_KEYS = 512
+
+
+def _inductor_with_shared_input_calls_fused(graph_module: torch.fx.GraphModule,
+                                             example_inputs: list[torch.Tensor]) -> Any:
+    """torch.compile's inductor backend, after fusing the calls of linear layers grouped
+    on one input (packed_linear.py)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    if fuse_shared_input_calls(graph_module.graph):
+        graph_module.recompile()
+    return compile_fx(graph_module, example_inputs)
 
 
 def decode_spans(widths: list[int], padding_blocks: int) -> list[tuple[int, int]]:
@@ -243,8 +259,11 @@ class TorchModelRunner:
         dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(counts) + 2)
         started = time.perf_counter()
         try:
-            expected = self._dummy_decodes(rows, columns, self.decode_kernel, compiled=False)
-            decoder.compile(dynamic=True)
+            with recording_calls() as calls:
+                expected = self._dummy_decodes(rows, columns, self.decode_kernel,
+                                               compiled=False)
+            grouped = group_shared_inputs(calls)
+            decoder.compile(dynamic=True, backend=_inductor_with_shared_input_calls_fused)
             for count in counts:
                 torch.set_num_threads(count)
                 for batch in (1, rows):
@@ -264,8 +283,8 @@ class TorchModelRunner:
         finally:
             torch.set_num_threads(threads.threads)
         threads.keep_to(counts)
-        logger.info("compiled the model in %.1f s (thread counts %s)",
-                    time.perf_counter() - started, counts)
+        logger.info("compiled the model in %.1f s (thread counts %s; %d groups of linear "
+                    "layers on one input)", time.perf_counter() - started, counts, grouped)
         return True
 
     def _num_blocks(self, specs: dict[int, KVCacheSpec]) -> int:
