@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from triollm import LLM, SamplingParams
-from triollm.model import cpu_decode, native_build, torch_runner
+from triollm.model import cpu_decode, cpu_helpers, native_build, torch_runner
 from triollm.model.attention import (
     DecodeGroup,
     KVCacheSpec,
@@ -106,6 +106,82 @@ def test_both_c_kernel_paths_match_the_gather_path(dim: int, block: int, portabl
                                           seed=dim + len(lens), kernel=kernel, dtype=dtype,
                                           dim=dim, block=block)
         torch.testing.assert_close(fused, gathered, atol=2e-5, rtol=1e-5)
+
+
+@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+       kv_heads=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]),
+       dim=st.sampled_from([8, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       window=st.none() | st.integers(1, 40), softcap=st.none() | st.just(7.5),
+       token_major=st.booleans(), helpers=st.sampled_from([0, 2]), seed=st.integers(0, 2**16))
+def test_a_step_of_decodes_is_one_call_with_the_writes_and_answers_of_the_layer_path(
+        lens: list[int], kv_heads: int, groups: int, dim: int, dtype: torch.dtype,
+        window: int | None, softcap: float | None, token_major: bool, helpers: int,
+        seed: int) -> None:
+    """``decode_step`` (the cache writes and the attention in one C call, queries, keys
+    and values in the cache's dtype, laid out token-major as a model's projections give
+    them or head-major; on OpenMP or, as beside a busy neighbour, on helpers) against
+    writing with ``index_copy_``, the kernel on fp32 queries and rounding the output:
+    the same caches and the same output, bit for bit, laid out as the query; and
+    ``paged_attention_forward`` takes it for such a step."""
+    kernel = cpu_decode.load_kernel()
+    assert kernel is not None, "this machine has a C compiler: the kernel must build"
+    generator = torch.Generator().manual_seed(seed)
+    q_heads, tokens, block = kv_heads * groups, len(lens), 16
+    module = torch.nn.Module()
+    cache = PagedKVCache({id(module): KVCacheSpec(kv_heads, dim)}, num_blocks=48,
+                         block_size=block, dtype=dtype, device=torch.device("cpu"))
+    for tensor in (cache.keys[0], cache.values[0]):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    blocks = torch.randperm(48, generator=generator).tolist()
+    tables = []
+    for n in lens:
+        tables.append(blocks[:-(-n // block)] + [0] * (5 - -(-n // block)))
+        blocks = blocks[-(-n // block):]
+    slots = torch.tensor([table[(n - 1) // block] * block + (n - 1) % block
+                          for table, n in zip(tables, lens, strict=True)])
+    block_tables, context_lens = torch.tensor(tables), torch.tensor(lens)
+
+    def projected(heads: int) -> torch.Tensor:  # [heads, tokens, dim]
+        if token_major:
+            return torch.randn(tokens, heads, dim, generator=generator).to(dtype).transpose(0, 1)
+        return torch.randn(heads, tokens, dim, generator=generator).to(dtype)
+
+    query, key, value = projected(q_heads), projected(kv_heads), projected(kv_heads)
+    keys, values = cache.keys[0].clone(), cache.values[0].clone()
+    keys.view(kv_heads, -1, dim).index_copy_(1, slots, key)
+    values.view(kv_heads, -1, dim).index_copy_(1, slots, value)
+    expected = kernel(query.transpose(0, 1).float(), keys, values, block_tables,
+                      context_lens, 0.3, window, softcap).transpose(0, 1).to(dtype)
+
+    cpu_helpers.set_spare_threads(helpers)
+    try:
+        got = kernel.decode_step(query, key, value, slots, cache.keys[0], cache.values[0],
+                                 block_tables, context_lens, 0.3, window, softcap)
+    finally:
+        cpu_helpers.set_spare_threads(0)
+    assert got is not None and got.stride() == query.stride()
+    assert torch.equal(got, expected)
+    assert torch.equal(cache.keys[0], keys) and torch.equal(cache.values[0], values)
+
+    metadata = PagedAttentionMetadata(
+        kv_cache=cache, slot_mapping=slots, decode_kernel=kernel,
+        decode_groups=[DecodeGroup(0, tokens, block_tables, context_lens)])
+    calls = []
+    original = kernel.decode_step
+
+    def counted(*args: object) -> torch.Tensor | None:
+        calls.append(args)
+        return original(*args)  # type: ignore[arg-type]
+
+    kernel.decode_step = counted  # type: ignore[method-assign]
+    try:
+        out, _ = paged_attention_forward(
+            module, query[None], key[None], value[None], None, scaling=0.3,
+            sliding_window=window, softcap=softcap, triollm_metadata=metadata)
+    finally:
+        del kernel.decode_step
+    assert len(calls) == 1
+    assert torch.equal(out[0].transpose(0, 1), expected)
 
 
 def _generate(llm: LLM) -> list[list[int]]:

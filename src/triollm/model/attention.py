@@ -12,6 +12,9 @@ the step's keys and values into the paged cache at ``slot_mapping`` and attends:
   blocks are gathered into a reused workspace and handed to SDPA;
 * each prefill chunk on its own, causally, over its cached prefix plus itself.
 
+A step of decodes only, on the C kernel, does the cache writes and the attention in one
+call (``CpuDecodeKernel.decode_step``).
+
 The per-step metadata travels as the ``triollm_metadata`` keyword through an eager
 model call, which transformers passes down to every attention layer. A compiled model
 (``torch.compile`` traces the modules, not this Python metadata) calls the custom op
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from triollm.model.cpu_decode import CpuDecodeKernel
 from triollm.model.ops import define_op
 
 __all__ = [
@@ -349,6 +353,16 @@ def _paged_attention(
     """Write the step's keys and values into one layer's cache and attend: ``[H, T, D]``
     in, ``[Hq, T, D]`` out in the query's dtype."""
     assert meta.kv_cache is not None
+    kernel = meta.decode_kernel
+    if (isinstance(kernel, CpuDecodeKernel) and not meta.prefills
+            and len(meta.decode_groups) == 1):
+        # A step of decodes only: the cache writes and the attention in one C call.
+        group = meta.decode_groups[0]
+        out = kernel.decode_step(q, k, v, meta.slot_mapping, key_cache, value_cache,
+                                 group.block_tables, group.context_lens, scale,
+                                 sliding_window, softcap)
+        if out is not None:
+            return out
     heads, _, _, dim = key_cache.shape
     # Attention computes in fp32 on CPU (where SDPA is ~3x faster than in bf16), else
     # in the cache's dtype; the cache may be narrower (bf16 on CPU, read by the C

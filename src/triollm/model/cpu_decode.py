@@ -18,6 +18,13 @@ vectorised by the compiler) writes all scores, takes the softmax, then sums V. T
 the portable one here too (``_build(portable=True)``), so CPUs without AVX-512 run code
 that was checked.
 
+A step of decodes only takes one call a layer (``decode_step``): the step's keys and values
+are written into the cache, the queries read and the output written in the model's
+dtype with the strides the model's projections give them, all in C. Around the kernel
+the layer's torch path makes about ten calls (the cache writes, conversions, slicing, a
+copy out); on the 27M Llama's shapes a layer took 9.7 instead of 23.5 µs for one
+sequence and 23.8 instead of 41.8 µs for four.
+
 The kernel is compiled for the CPU it runs on (native_build.py). Without a working
 compiler ``load_kernel`` returns None and the runner falls back to the compiled or
 gathering path.
@@ -390,6 +397,109 @@ int triollm_paged_decode_pooled(
                                 batch, q_heads, kv_heads, num_blocks, block_size, dim,
                                 max_blocks, scale, window, softcap, cache_is_bf16, 1);
 }
+
+/* Rounded to nearest even, NaN kept a NaN: what torch's float-to-bf16 conversion does. */
+static inline uint16_t float_to_bf16(float number) {
+    union { uint32_t u; float f; } value;
+    value.f = number;
+    if ((value.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    value.u += 0x7fffu + ((value.u >> 16) & 1u);
+    return (uint16_t)(value.u >> 16);
+}
+
+/* A layer's whole attention for a step of decodes only: token t's keys and values go
+   into the cache at slots[t], then each token's query attends over its sequence. The
+   queries, keys, values and the output are in the cache's dtype, as [heads, tokens, dim]
+   with any head and token strides (in elements; dim contiguous). */
+static int decode_step(
+    const void* query, int64_t q_head_stride, int64_t q_token_stride,
+    const void* keys, int64_t k_head_stride, int64_t k_token_stride,
+    const void* values, int64_t v_head_stride, int64_t v_token_stride,
+    void* out, int64_t out_head_stride, int64_t out_token_stride,
+    const int64_t* slots, void* key_cache, void* value_cache,
+    const int64_t* tables, const int64_t* context_lens,
+    int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t num_blocks,
+    int64_t block_size, int64_t dim, int64_t max_blocks, float scale,
+    int64_t window, float softcap, int cache_is_bf16, int threads, int pooled)
+{
+    const size_t element = cache_is_bf16 ? 2 : 4;
+    const int64_t head_size = num_blocks * block_size * dim;
+    for (int64_t t = 0; t < batch; t++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const size_t cache_at = (size_t)(h * head_size + slots[t] * dim) * element;
+            memcpy((char*)key_cache + cache_at,
+                   (const char*)keys + (size_t)(h * k_head_stride + t * k_token_stride) * element,
+                   (size_t)dim * element);
+            memcpy((char*)value_cache + cache_at,
+                   (const char*)values + (size_t)(h * v_head_stride + t * v_token_stride) * element,
+                   (size_t)dim * element);
+        }
+    }
+    const size_t rows = (size_t)(batch * q_heads * dim);
+    float* buffer = (float*)malloc(2 * rows * sizeof(float));
+    if (buffer == NULL) return 1;
+    float* flat_query = buffer;
+    float* flat_out = buffer + rows;
+    for (int64_t t = 0; t < batch; t++) {
+        for (int64_t h = 0; h < q_heads; h++) {
+            float* row = flat_query + (t * q_heads + h) * dim;
+            const int64_t at = h * q_head_stride + t * q_token_stride;
+            if (cache_is_bf16) {
+                const uint16_t* source = (const uint16_t*)query + at;
+                for (int64_t d = 0; d < dim; d++) row[d] = bf16_to_float(source[d]);
+            } else {
+                memcpy(row, (const float*)query + at, (size_t)dim * sizeof(float));
+            }
+        }
+    }
+    const int failed = pooled
+        ? triollm_paged_decode_pooled(flat_query, key_cache, value_cache, tables,
+                                      context_lens, flat_out, batch, q_heads, kv_heads,
+                                      num_blocks, block_size, dim, max_blocks, scale, window,
+                                      softcap, cache_is_bf16, threads)
+        : triollm_paged_decode(flat_query, key_cache, value_cache, tables, context_lens,
+                               flat_out, batch, q_heads, kv_heads, num_blocks, block_size,
+                               dim, max_blocks, scale, window, softcap, cache_is_bf16,
+                               threads);
+    for (int64_t t = 0; t < batch && !failed; t++) {
+        for (int64_t h = 0; h < q_heads; h++) {
+            const float* row = flat_out + (t * q_heads + h) * dim;
+            const int64_t at = h * out_head_stride + t * out_token_stride;
+            if (cache_is_bf16) {
+                uint16_t* target = (uint16_t*)out + at;
+                for (int64_t d = 0; d < dim; d++) target[d] = float_to_bf16(row[d]);
+            } else {
+                memcpy((float*)out + at, row, (size_t)dim * sizeof(float));
+            }
+        }
+    }
+    free(buffer);
+    return failed;
+}
+
+#define DECODE_STEP_PARAMETERS                                                          \
+    const void* query, int64_t q_head_stride, int64_t q_token_stride,                   \
+    const void* keys, int64_t k_head_stride, int64_t k_token_stride,                    \
+    const void* values, int64_t v_head_stride, int64_t v_token_stride,                  \
+    void* out, int64_t out_head_stride, int64_t out_token_stride,                       \
+    const int64_t* slots, void* key_cache, void* value_cache,                           \
+    const int64_t* tables, const int64_t* context_lens,                                 \
+    int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t num_blocks,               \
+    int64_t block_size, int64_t dim, int64_t max_blocks, float scale,                   \
+    int64_t window, float softcap, int cache_is_bf16
+#define DECODE_STEP_ARGUMENTS                                                           \
+    query, q_head_stride, q_token_stride, keys, k_head_stride, k_token_stride,          \
+    values, v_head_stride, v_token_stride, out, out_head_stride, out_token_stride,      \
+    slots, key_cache, value_cache, tables, context_lens, batch, q_heads, kv_heads,      \
+    num_blocks, block_size, dim, max_blocks, scale, window, softcap, cache_is_bf16
+
+int triollm_decode_step(DECODE_STEP_PARAMETERS, int threads) {
+    return decode_step(DECODE_STEP_ARGUMENTS, threads, 0);
+}
+
+int triollm_decode_step_pooled(DECODE_STEP_PARAMETERS, int helpers) {
+    return decode_step(DECODE_STEP_ARGUMENTS, helpers, 1);
+}
 """
 
 def _build(portable: bool = False) -> Path:
@@ -407,9 +517,52 @@ class CpuDecodeKernel:
             library, "triollm_paged_decode",
             [pointer] * 6 + [i64] * 7 + [f32, i64, f32, ctypes.c_int, ctypes.c_int],
             ctypes.c_int)
+        self._step = PooledFunction(
+            library, "triollm_decode_step",
+            ([pointer, i64, i64] * 4 + [pointer] * 5 + [i64] * 7
+             + [f32, i64, f32, ctypes.c_int, ctypes.c_int]),
+            ctypes.c_int)
         self._vectorized = library.triollm_paged_decode_vectorized
         self._vectorized.argtypes = [ctypes.c_int64]
         self._vectorized.restype = ctypes.c_int
+
+    def decode_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    slot_mapping: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                    softcap: float | None) -> torch.Tensor | None:
+        """A layer's attention for a step of decodes only, in one call: ``key`` and
+        ``value`` (``[Hkv, T, D]``) written into the caches at ``slot_mapping``, then the
+        queries (``[Hq, T, D]``) over their sequences; returns ``[Hq, T, D]`` laid out
+        as ``query`` is. The queries, keys and values must be in the caches' dtype with
+        contiguous heads, and the tables and lengths int64 and contiguous; where they
+        are not, returns None and writes nothing."""
+        dtype = key_cache.dtype
+        if not (query.dtype == key.dtype == value.dtype == value_cache.dtype == dtype
+                and dtype in (torch.float32, torch.bfloat16)
+                and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+                and key_cache.is_contiguous() and value_cache.is_contiguous()
+                and block_tables.dtype == context_lens.dtype == slot_mapping.dtype
+                == torch.int64 and block_tables.is_contiguous()
+                and context_lens.is_contiguous() and slot_mapping.is_contiguous()):
+            return None
+        out = torch.empty_like(query)
+        if out.stride(-1) != 1:
+            return None
+        q_heads, batch, dim = query.shape
+        kv_heads, num_blocks, block_size, _ = key_cache.shape
+        failed = self._step(
+            query.data_ptr(), query.stride(0), query.stride(1),
+            key.data_ptr(), key.stride(0), key.stride(1),
+            value.data_ptr(), value.stride(0), value.stride(1),
+            out.data_ptr(), out.stride(0), out.stride(1),
+            slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), context_lens.data_ptr(), batch, q_heads, kv_heads,
+            num_blocks, block_size, dim, block_tables.shape[1], scale, sliding_window or 0,
+            softcap or 0.0, int(dtype == torch.bfloat16))
+        if failed:
+            raise MemoryError("the CPU decode kernel could not allocate its scratch space")
+        return out
 
     def vectorized(self, head_size: int) -> bool:
         """Whether heads of ``head_size`` take the AVX-512 path (else the portable one)."""
