@@ -29,12 +29,12 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from triollm.model.cpu_decode import CpuDecodeKernel
 from triollm.model.ops import define_op
 
 __all__ = [
@@ -353,16 +353,16 @@ def _paged_attention(
     """Write the step's keys and values into one layer's cache and attend: ``[H, T, D]``
     in, ``[Hq, T, D]`` out in the query's dtype."""
     assert meta.kv_cache is not None
-    kernel = meta.decode_kernel
-    if (isinstance(kernel, CpuDecodeKernel) and not meta.prefills
-            and len(meta.decode_groups) == 1):
-        # A step of decodes only: the cache writes and the attention in one C call.
+    decode_step = getattr(meta.decode_kernel, "decode_step", None)
+    if decode_step is not None and not meta.prefills and len(meta.decode_groups) == 1:
+        # A step of decodes only: the cache writes and the attention in one call
+        # (cpu_decode.py's C kernel; it returns None for inputs it does not take).
         group = meta.decode_groups[0]
-        out = kernel.decode_step(q, k, v, meta.slot_mapping, key_cache, value_cache,
-                                 group.block_tables, group.context_lens, scale,
-                                 sliding_window, softcap)
+        out = decode_step(q, k, v, meta.slot_mapping, key_cache, value_cache,
+                          group.block_tables, group.context_lens, scale, sliding_window,
+                          softcap)
         if out is not None:
-            return out
+            return cast(torch.Tensor, out)
     heads, _, _, dim = key_cache.shape
     # Attention computes in fp32 on CPU (where SDPA is ~3x faster than in bf16), else
     # in the cache's dtype; the cache may be narrower (bf16 on CPU, read by the C
