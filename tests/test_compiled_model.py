@@ -137,7 +137,7 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
     for grouped in (True, False):
         with monkeypatch.context() as patch:
             if not grouped:
-                patch.setattr(torch_runner, "group_shared_inputs", lambda calls: 0)
+                patch.setattr(torch_runner, "group_weights_of_shared_inputs", lambda calls: 0)
             llm = _bf16_compiled_llm(llama_path)
             calls.clear()
             outputs = llm.generate(PROMPTS[:1], params, use_tqdm=False)
@@ -174,7 +174,7 @@ def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> No
               for _ in range(3)]
     x = torch.randn(2, 8).bfloat16()
     expected = [layer(x) for layer in layers]
-    assert packed_linear.group_shared_inputs([(x, layer) for layer in layers[:2]]) == 1
+    assert packed_linear.group_weights_of_shared_inputs([(x, layer) for layer in layers[:2]]) == 1
     assert layers[0].packed_weight.data_ptr() + layers[0].packed_weight.nbytes == (
         layers[1].packed_weight.data_ptr())
     first, second, third = (layer.handle for layer in layers)

@@ -112,19 +112,20 @@ def test_both_c_kernel_paths_match_the_gather_path(dim: int, block: int, portabl
        kv_heads=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]),
        dim=st.sampled_from([8, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        window=st.none() | st.integers(1, 40), softcap=st.none() | st.just(7.5),
-       token_major=st.booleans(), helpers=st.sampled_from([0, 2]), seed=st.integers(0, 2**16))
+       token_major=st.booleans(), helpers=st.sampled_from([0, 2]), portable=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_a_step_of_decodes_is_one_call_with_the_writes_and_answers_of_the_layer_path(
         lens: list[int], kv_heads: int, groups: int, dim: int, dtype: torch.dtype,
         window: int | None, softcap: float | None, token_major: bool, helpers: int,
-        seed: int) -> None:
+        portable: bool, seed: int) -> None:
     """``decode_step`` (the cache writes and the attention in one C call, queries, keys
     and values in the cache's dtype, laid out token-major as a model's projections give
-    them or head-major; on OpenMP or, as beside a busy neighbour, on helpers) against
+    them or head-major; on OpenMP or, as beside a busy neighbour, on helpers; built as
+    here or as for CPUs without AVX-512) against
     writing with ``index_copy_``, the kernel on fp32 queries and rounding the output:
     the same caches and the same output, bit for bit, laid out as the query; and
     ``paged_attention_forward`` takes it for such a step."""
-    kernel = cpu_decode.load_kernel()
-    assert kernel is not None, "this machine has a C compiler: the kernel must build"
+    kernel = cpu_decode.CpuDecodeKernel(ctypes.CDLL(str(cpu_decode._build(portable))))
     generator = torch.Generator().manual_seed(seed)
     q_heads, tokens, block = kv_heads * groups, len(lens), 16
     module = torch.nn.Module()

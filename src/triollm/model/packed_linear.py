@@ -26,7 +26,7 @@ one of 16 sizes per power of two (at most 6.25% more rows, 3% on average): a lin
 shape then needs at most 32 + 16 per doubling primitives, about 160 up to 8,192 rows.
 
 Layers that read the same input (a Llama layer's q, k and v projections; its gate and
-up ones) are multiplied in one call where the model is compiled: ``group_shared_inputs``
+up ones) are multiplied in one call where the model is compiled: ``group_weights_of_shared_inputs``
 watches a forward, finds the runs of layers called on one tensor, and moves each run's
 weights (in cpu_gemm.py's layout) into one tensor of which each layer's is a view, so
 nothing is stored twice; ``fuse_shared_input_calls``, run on the graph ``torch.compile``
@@ -55,7 +55,7 @@ from triollm.model.ops import define_op
 __all__ = [
     "PackedLinear",
     "fuse_shared_input_calls",
-    "group_shared_inputs",
+    "group_weights_of_shared_inputs",
     "pack_linear_layers",
     "packed_linear",
     "padded_rows",
@@ -168,7 +168,7 @@ def _forget_group(members: tuple[int, ...]) -> None:
 
 
 @torch.no_grad()
-def group_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]]) -> int:
+def group_weights_of_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]]) -> int:
     """Group the layers ``calls`` (``recording_calls``) shows called one after another on
     the same input tensor: each run of two or more, all on cpu_gemm.py's layout with the
     same input size and all with or all without a bias, gets its weights moved into one
@@ -214,7 +214,7 @@ def group_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]]) -> int:
 
 def fuse_shared_input_calls(graph: torch.fx.Graph) -> int:
     """In a graph traced by ``torch.compile``, replace the ``packed_linear`` calls of each
-    group ``group_shared_inputs`` made, where all of its members are called on one input,
+    group ``group_weights_of_shared_inputs`` made, where all of its members are called on one input,
     by one call over the group's weights and a slice of its result for each member.
     Returns how many groups were fused."""
     calls_on: dict[torch.fx.Node, list[torch.fx.Node]] = {}

@@ -37,7 +37,7 @@ from triollm.model.loader import load_model
 from triollm.model.lora_manager import LoRAManager
 from triollm.model.packed_linear import (
     fuse_shared_input_calls,
-    group_shared_inputs,
+    group_weights_of_shared_inputs,
     recording_calls,
 )
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
@@ -262,7 +262,7 @@ class TorchModelRunner:
             with recording_calls() as calls:
                 expected = self._dummy_decodes(rows, columns, self.decode_kernel,
                                                compiled=False)
-            grouped = group_shared_inputs(calls)
+            grouped = group_weights_of_shared_inputs(calls)
             decoder.compile(dynamic=True, backend=_inductor_with_shared_input_calls_fused)
             for count in counts:
                 torch.set_num_threads(count)
