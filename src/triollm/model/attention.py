@@ -29,7 +29,6 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -362,7 +361,7 @@ def _paged_attention(
                           group.block_tables, group.context_lens, scale, sliding_window,
                           softcap)
         if out is not None:
-            return cast(torch.Tensor, out)
+            return out
     heads, _, _, dim = key_cache.shape
     # Attention computes in fp32 on CPU (where SDPA is ~3x faster than in bf16), else
     # in the cache's dtype; the cache may be narrower (bf16 on CPU, read by the C

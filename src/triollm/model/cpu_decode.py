@@ -546,9 +546,7 @@ class CpuDecodeKernel:
                 == torch.int64 and block_tables.is_contiguous()
                 and context_lens.is_contiguous() and slot_mapping.is_contiguous()):
             return None
-        out = torch.empty_like(query)
-        if out.stride(-1) != 1:
-            return None
+        out = torch.empty_like(query)  # query's strides, or contiguous: dim is contiguous
         q_heads, batch, dim = query.shape
         kv_heads, num_blocks, block_size, _ = key_cache.shape
         failed = self._step(

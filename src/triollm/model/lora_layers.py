@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from triollm.model.packed_linear import PackedLinear
+from triollm.model.packed_linear import PackedLinear, runs_on_one_input
 
 __all__ = ["LoRAGroup", "LoRALinear", "LoRAStep", "adaptable_layers", "group_shared_inputs"]
 
@@ -155,22 +155,8 @@ class LoRAGroup:
 def group_shared_inputs(recording: list[tuple[torch.Tensor, LoRALinear]]) -> list[LoRAGroup]:
     """Group the layers a recorded forward called one after another on the same input
     tensor (of the same size); returns the groups of more than one layer."""
-    groups: list[LoRAGroup] = []
-    run: list[LoRALinear] = []
-    previous: torch.Tensor | None = None
-    for x, layer in recording:
-        alone = len(layer.group.members) == 1
-        if (run and x is previous and layer.in_features == run[0].in_features
-                and alone and layer not in run):
-            run.append(layer)
-            continue
-        if len(run) > 1:
-            groups.append(LoRAGroup(run))
-        run = [layer] if alone else []
-        previous = x
-    if len(run) > 1:
-        groups.append(LoRAGroup(run))
-    return groups
+    return [LoRAGroup(run) for run in runs_on_one_input(
+        recording, joins=lambda layer: len(layer.group.members) == 1)]
 
 
 def _shape(module: nn.Module) -> tuple[int, int] | None:

@@ -40,10 +40,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import threading
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -61,6 +61,7 @@ __all__ = [
     "padded_rows",
     "pads_rows",
     "recording_calls",
+    "runs_on_one_input",
 ]
 
 logger = logging.getLogger(__name__)
@@ -94,9 +95,6 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.out_features)
-        calls = getattr(_recording, "calls", None)
-        if calls is not None:
-            calls.append((x, self))
         return _linear(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -142,19 +140,56 @@ packed_linear = define_op("packed_linear(Tensor x, int handle, int out_features)
                           _packed_linear, _packed_linear_fake)
 
 
-_recording = threading.local()
-
-
 @contextlib.contextmanager
-def recording_calls() -> Iterator[list[tuple[torch.Tensor, PackedLinear]]]:
-    """Within the block, every eager ``PackedLinear`` call on this thread is appended to
-    the list it yields, with its input, in call order."""
+def recording_calls(model: nn.Module) -> Iterator[list[tuple[torch.Tensor, PackedLinear]]]:
+    """Within the block, every call of one of ``model``'s ``PackedLinear`` layers (on a
+    positional input) is appended to the list it yields, with its input, in call order.
+    It records through forward pre-hooks, removed on leaving: nothing on the calls'
+    path once it is done."""
     calls: list[tuple[torch.Tensor, PackedLinear]] = []
-    _recording.calls = calls
+
+    def record(layer: nn.Module, args: tuple[object, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor) and isinstance(layer, PackedLinear):
+            calls.append((args[0], layer))
+
+    hooks = [module.register_forward_pre_hook(record) for module in model.modules()
+             if isinstance(module, PackedLinear)]
     try:
         yield calls
     finally:
-        _recording.calls = None
+        for hook in hooks:
+            hook.remove()
+
+
+class _TakesInput(Protocol):
+    in_features: int
+
+
+Layer = TypeVar("Layer", bound=_TakesInput)
+
+
+def runs_on_one_input(calls: list[tuple[torch.Tensor, Layer]],
+                      joins: Callable[[Layer], bool] = lambda layer: True
+                      ) -> list[list[Layer]]:
+    """The runs of two or more layers ``calls`` shows called one after another on the
+    same input tensor, with the same input size, each layer once a run. A layer
+    ``joins`` rejects ends the run it interrupts and is in none."""
+    runs: list[list[Layer]] = []
+    run: list[Layer] = []
+    previous: torch.Tensor | None = None
+    for x, layer in calls:
+        joinable = joins(layer)
+        if (run and x is previous and joinable and layer not in run
+                and layer.in_features == run[0].in_features):
+            run.append(layer)
+            continue
+        if len(run) > 1:
+            runs.append(run)
+        run = [layer] if joinable else []
+        previous = x
+    if len(run) > 1:
+        runs.append(run)
+    return runs
 
 
 #: (member handles, in call order) -> (the group's handle, each member's out_features).
@@ -174,21 +209,11 @@ def group_weights_of_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]
     same input size and all with or all without a bias, gets its weights moved into one
     tensor (each layer's packed weight becomes a view of it) registered as one more
     handle. Returns how many groups were made."""
-    runs: list[list[PackedLinear]] = []
-    previous: torch.Tensor | None = None
-    for x, layer in calls:
-        run = runs[-1] if runs else None
-        if (run is not None and x is previous and layer not in run
-                and layer.in_features == run[0].in_features):
-            run.append(layer)
-        else:
-            runs.append([layer])
-        previous = x
     grouped = 0
     seen: set[int] = set()
-    for run in runs:
+    for run in runs_on_one_input(calls):
         handles = tuple(layer.handle for layer in run)
-        if (len(run) < 2 or handles in _groups or seen & set(handles)
+        if (handles in _groups or seen & set(handles)
                 or any(layer.packed_weight.is_mkldnn for layer in run)
                 or len({layer.bias is None for layer in run}) > 1):
             continue

@@ -259,7 +259,7 @@ class TorchModelRunner:
         dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(counts) + 2)
         started = time.perf_counter()
         try:
-            with recording_calls() as calls:
+            with recording_calls(self.model) as calls:
                 expected = self._dummy_decodes(rows, columns, self.decode_kernel,
                                                compiled=False)
             grouped = group_weights_of_shared_inputs(calls)
