@@ -1,4 +1,4 @@
-"""Decode attention alone: the C kernel (model/cpu_decode.py, over an fp32 and a bf16
+"""Decode attention alone: the C kernel (model/cpu/decode.py, over an fp32 and a bf16
 cache, and its portable path over the bf16 cache: what CPUs without AVX-512 run, the
 kernel as it was before its one-pass path) and the compiled kernel, which read KV
 blocks in place, against gathering the blocks and calling SDPA (the ``enforce_eager``
@@ -26,8 +26,9 @@ import functools
 import torch
 
 from common import timed
-from triollm.model import cpu_decode, torch_runner
-from triollm.model.attention import (
+from triollm.model.cpu import decode as cpu_decode
+from triollm.model.runners import torch_runner
+from triollm.model.attention.paged import (
     DecodeGroup,
     KVCacheSpec,
     PagedAttentionMetadata,

@@ -2,7 +2,7 @@
 
 vs_vllm.py's neighbour rows compare each engine quiet and beside a busy-loop process,
 with the thread policy choosing the helpers in the busy rounds. This measures only what
-the helpers (src/triollm/model/cpu_helpers.py) change: one ``LLM`` on vs_vllm.py's 27m
+the helpers (src/triollm/model/cpu/helpers.py) change: one ``LLM`` on vs_vllm.py's 27m
 (or 85m) model and small offline workload, a ``while True: pass`` process beside it
 throughout, and rounds that run the workload once with the kernels' helpers and once
 without (``set_spare_threads`` 1 / 0 on the model thread, which is this thread for
@@ -25,7 +25,8 @@ import torch
 
 import vs_vllm
 from triollm import LLM, SamplingParams
-from triollm.model import cpu_helpers, cpu_threads
+from triollm.model.cpu import helpers as cpu_helpers
+from triollm.model.cpu import threads as cpu_threads
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Linear layers alone, on the same weights: aten's ``linear`` on the loaded weights,
 oneDNN's linear on weights packed once into its layout, and ``PackedLinear`` as the
-engine builds it (``triollm.model.packed_linear``: for bf16 on a CPU with AVX512-BF16 the
-kernel of ``triollm.model.cpu_gemm``, else oneDNN, so the last two columns then agree).
+engine builds it (``triollm.model.cpu.packed_linear``: for bf16 on a CPU with AVX512-BF16 the
+kernel of ``triollm.model.cpu.gemm``, else oneDNN, so the last two columns then agree).
 
 Every linear layer of the benchmarks' Llama (12 layers, hidden 768, the serving
 benchmark's 512-token vocabulary), ``M`` rows of input each: ``M=1`` is a lone decode
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from common import timed
-from triollm.model.cpu_gemm import load_gemm
-from triollm.model.packed_linear import PackedLinear, _linear
+from triollm.model.cpu.gemm import load_gemm
+from triollm.model.cpu.packed_linear import PackedLinear, _linear
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 768, 2048, 12, 512
 

@@ -1,4 +1,4 @@
-"""Pooling-step attention alone: the C kernel (model/cpu_varlen.py) against SDPA called
+"""Pooling-step attention alone: the C kernel (model/cpu/varlen.py) against SDPA called
 once per run of equal-length prompts (what varlen_attention.py calls where the kernel
 does not apply), on the same packed row.
 
@@ -18,8 +18,8 @@ import argparse
 import torch
 
 from common import timed
-from triollm.model.cpu_varlen import load_varlen_kernel
-from triollm.model.varlen_attention import VarlenMetadata, varlen_attention_forward
+from triollm.model.cpu.varlen import load_varlen_kernel
+from triollm.model.attention.varlen import VarlenMetadata, varlen_attention_forward
 
 
 def main() -> None:

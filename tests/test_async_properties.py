@@ -396,7 +396,7 @@ def real_model(llama_path: Path, llama_llm: Any
 @pytest.mark.parametrize("backend", ["trio", "asyncio"])
 def test_timed_scenarios_against_a_real_model(
         backend: str, real_model: tuple[Path, dict[tuple[int, ...], list[int]]]) -> None:
-    from triollm.model.torch_runner import TorchModelRunner
+    from triollm.model.runners.torch_runner import TorchModelRunner
 
     path, answers = real_model
     sync_args = AsyncEngineArgs(model=str(path), dtype="float32", max_model_len=64,

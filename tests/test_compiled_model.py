@@ -15,8 +15,9 @@ from torch._dynamo.utils import counters
 
 from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import LLM, SamplingParams
-from triollm.model import packed_linear, torch_runner
-from triollm.model.cpu_gemm import load_gemm
+from triollm.model.cpu import packed_linear
+from triollm.model.cpu.gemm import load_gemm
+from triollm.model.runners import torch_runner
 from triollm.testing import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -77,7 +78,7 @@ def test_a_model_that_fails_to_compile_runs_eagerly(
         return run
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    with caplog.at_level(logging.WARNING, logger="triollm.model.torch_runner"):
+    with caplog.at_level(logging.WARNING, logger="triollm.model.runners.torch_runner"):
         llm = LLM(str(llama_path), dtype="float32", max_model_len=128,
                   num_gpu_blocks_override=256, optimization_level=2)
     assert not llm.engine.runner.compiled

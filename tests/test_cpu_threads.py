@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from triollm.model import cpu_helpers, cpu_threads
-from triollm.model.cpu_threads import ComputeThreads, CpuTimes, read_cpu_times
+from triollm.model.cpu import helpers as cpu_helpers
+from triollm.model.cpu import threads as cpu_threads
+from triollm.model.cpu.threads import ComputeThreads, CpuTimes, read_cpu_times
 
 
 class FakeMachine:

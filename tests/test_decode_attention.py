@@ -15,8 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from triollm import LLM, SamplingParams
-from triollm.model import cpu_decode, cpu_helpers, native_build, torch_runner
-from triollm.model.attention import (
+from triollm.model.attention.paged import (
     DecodeGroup,
     KVCacheSpec,
     PagedAttentionMetadata,
@@ -24,6 +23,10 @@ from triollm.model.attention import (
     compiled_paged_decode_attention,
     paged_attention_forward,
 )
+from triollm.model.cpu import build as native_build
+from triollm.model.cpu import decode as cpu_decode
+from triollm.model.cpu import helpers as cpu_helpers
+from triollm.model.runners import torch_runner
 
 BLOCK = 4
 
@@ -217,7 +220,7 @@ def test_without_the_c_kernel_the_compiled_one_then_the_gather_path(
         raise RuntimeError("no C++ compiler here")
 
     monkeypatch.setattr(torch_runner, "compiled_paged_decode_attention", broken)
-    with caplog.at_level(logging.WARNING, logger="triollm.model.torch_runner"):
+    with caplog.at_level(logging.WARNING, logger="triollm.model.runners.torch_runner"):
         llm = LLM(str(llama_path), dtype="float32", max_model_len=128)
     assert llm.engine.runner.decode_kernel is None  # type: ignore[attr-defined]
     assert "no C++ compiler here" in caplog.text

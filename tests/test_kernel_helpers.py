@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triollm import LLM, SamplingParams
-from triollm.model import cpu_helpers
-from triollm.model.cpu_decode import CpuDecodeKernel, load_kernel
-from triollm.model.cpu_gemm import CpuGemm, load_gemm
+from triollm.model.cpu import helpers as cpu_helpers
+from triollm.model.cpu.decode import CpuDecodeKernel, load_kernel
+from triollm.model.cpu.gemm import CpuGemm, load_gemm
 
 
 @pytest.fixture
@@ -46,14 +46,14 @@ def _decode() -> CpuDecodeKernel:
 
 
 def _gemm_library() -> ctypes.CDLL:
-    from triollm.model import cpu_gemm
-    from triollm.model.native_build import build
+    from triollm.model.cpu import gemm as cpu_gemm
+    from triollm.model.cpu.build import build
     return ctypes.CDLL(str(build("gemm_bf16", cpu_gemm._SOURCE)))
 
 
 def _decode_library() -> ctypes.CDLL:
-    from triollm.model import cpu_decode
-    from triollm.model.native_build import FLAGS, build
+    from triollm.model.cpu import decode as cpu_decode
+    from triollm.model.cpu.build import FLAGS, build
     return ctypes.CDLL(str(build("paged_decode", cpu_decode._SOURCE, FLAGS)))
 
 

@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from triollm import LLM
-from triollm.model import native_build, packed_linear
-from triollm.model.cpu_gemm import load_gemm
-from triollm.model.packed_linear import PackedLinear, pack_linear_layers, padded_rows
+from triollm.model.cpu import build as native_build
+from triollm.model.cpu import packed_linear
+from triollm.model.cpu.gemm import load_gemm
+from triollm.model.cpu.packed_linear import PackedLinear, pack_linear_layers, padded_rows
 from triollm.testing import TINY_FAMILIES
 
 

@@ -81,7 +81,7 @@ def test_a_step_filled_up_to_a_padded_row_count_pools_the_same(
     up to a row count packed_linear.py takes without a copy; the real prompts' vectors
     are those each gets alone (CLS, MEAN and LAST pooling; bidirectional and causal)."""
     from triollm import LLM
-    from triollm.model.packed_linear import padded_rows
+    from triollm.model.cpu.packed_linear import padded_rows
 
     llm = LLM(str(pooling_models[kind]), dtype="float32")
     tokenizer = llm.get_tokenizer()

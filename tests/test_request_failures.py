@@ -19,8 +19,8 @@ from triollm import (
     SamplingParams,
 )
 from triollm.engine.stats import IterationStats
-from triollm.model import torch_runner
 from triollm.model.loader import build_demo_tokenizer
+from triollm.model.runners import torch_runner
 from triollm.testing import FakeModelRunner, fake_completion
 
 VOCAB = 900

@@ -617,7 +617,7 @@ async def test_impossible_tokens_get_a_finite_logprob(llama_path: Path) -> None:
     impossible = 40
 
     def runner_factory() -> Any:
-        from triollm.model.torch_runner import TorchModelRunner
+        from triollm.model.runners.torch_runner import TorchModelRunner
 
         runner = TorchModelRunner(config)
 

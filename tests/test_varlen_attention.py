@@ -1,4 +1,4 @@
-"""Prompt attention for pooling steps: the C kernel (model/cpu_varlen.py) agrees with
+"""Prompt attention for pooling steps: the C kernel (model/cpu/varlen.py) agrees with
 SDPA run one prompt at a time, for any mix of prompt lengths, head layouts and strides;
 the attention interface takes SDPA where the kernel does not apply; and an embedding
 model gives the same vectors with the kernel as without it."""
@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triollm.model import cpu_malloc, native_build
-from triollm.model.cpu_varlen import VarlenKernel, load_varlen_kernel, packed_sdpa
-from triollm.model.varlen_attention import VarlenMetadata, varlen_attention_forward
+from triollm.model.attention.varlen import VarlenMetadata, varlen_attention_forward
+from triollm.model.cpu import build as native_build
+from triollm.model.cpu import malloc as cpu_malloc
+from triollm.model.cpu.varlen import VarlenKernel, load_varlen_kernel, packed_sdpa
 
 
 def _kernel_for(dtype: torch.dtype) -> VarlenKernel:

@@ -3,7 +3,7 @@
 One step is one round trip: the scheduler's ``SchedulerOutput`` goes to a
 ``ModelRunner``, whose ``RunnerOutput`` comes back to the engine core. Both sides
 import this module and nothing of each other. ``TorchModelRunner``
-(``triollm.model.torch_runner``) runs a transformers model;
+(``triollm.model.runners.torch_runner``) runs a transformers model;
 ``triollm.testing.FakeModelRunner`` is a deterministic stand-in for testing
 applications without a model. No torch, no event loop.
 """

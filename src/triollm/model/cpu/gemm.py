@@ -25,8 +25,8 @@ from functools import cache
 
 import torch
 
-from triollm.model.cpu_helpers import POOL_SOURCE, PooledFunction
-from triollm.model.native_build import load_checked
+from triollm.model.cpu.build import load_checked
+from triollm.model.cpu.helpers import POOL_SOURCE, PooledFunction
 
 __all__ = ["CpuGemm", "load_gemm"]
 

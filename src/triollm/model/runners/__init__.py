@@ -11,9 +11,9 @@ __all__ = ["create_runner"]
 def create_runner(config: EngineConfig) -> ModelRunner:
     """Load the model (in the calling thread) into the runner for ``config.model.runner``."""
     if config.model.runner == "pooling":
-        from triollm.model.pooling_runner import PoolingModelRunner
+        from triollm.model.runners.pooling_runner import PoolingModelRunner
 
         return PoolingModelRunner(config)
-    from triollm.model.torch_runner import TorchModelRunner
+    from triollm.model.runners.torch_runner import TorchModelRunner
 
     return TorchModelRunner(config)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from triollm.errors import UnsupportedModelError
-from triollm.model.cpu_varlen import VarlenKernel
+from triollm.model.cpu.varlen import VarlenKernel
 
 __all__ = ["VARLEN_ATTENTION_NAME", "VarlenMetadata", "varlen_attention_forward"]
 
@@ -33,7 +33,7 @@ class VarlenMetadata:
     spans: list[tuple[int, int]]
     #: ``(start, count, length)``: ``count`` consecutive prompts of ``length`` tokens.
     runs: list[tuple[int, int, int]]
-    #: The C kernel to attend with where it takes the inputs (model/cpu_varlen.py), or
+    #: The C kernel to attend with where it takes the inputs (model/cpu/varlen.py), or
     #: None for SDPA; the runner decides (none under ``enforce_eager``).
     kernel: VarlenKernel | None = None
     #: Attention calls made with it (the runner checks its attention is the one used).

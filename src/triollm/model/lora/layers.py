@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from triollm.model.packed_linear import PackedLinear, runs_on_one_input
+from triollm.model.cpu.packed_linear import PackedLinear, runs_on_one_input
 
 __all__ = ["LoRAGroup", "LoRALinear", "LoRAStep", "adaptable_layers", "group_shared_inputs"]
 

@@ -22,8 +22,8 @@ from torch import nn
 from triollm.config import LoRAConfig
 from triollm.errors import LoRAAdapterError
 from triollm.lora.request import LoRARequest
-from triollm.model.lora_adapter import LayerShape, LoRAAdapter, load_adapter
-from triollm.model.lora_layers import LoRALinear, LoRAStep, adaptable_layers, group_shared_inputs
+from triollm.model.lora.adapter import LayerShape, LoRAAdapter, load_adapter
+from triollm.model.lora.layers import LoRALinear, LoRAStep, adaptable_layers, group_shared_inputs
 
 __all__ = ["LoRAManager"]
 

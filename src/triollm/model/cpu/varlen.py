@@ -28,7 +28,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from triollm.model.native_build import AVX512_EXP16, load_checked
+from triollm.model.cpu.build import AVX512_EXP16, load_checked
 
 __all__ = ["VarlenKernel", "load_varlen_kernel", "packed_sdpa"]
 

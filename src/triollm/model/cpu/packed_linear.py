@@ -49,7 +49,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from triollm.model.cpu_gemm import CpuGemm, load_gemm
+from triollm.model.cpu.gemm import CpuGemm, load_gemm
 from triollm.model.ops import define_op
 
 __all__ = [

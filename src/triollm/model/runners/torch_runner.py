@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from triollm.config import EngineConfig
-from triollm.model.attention import (
+from triollm.model.attention.paged import (
     ATTENTION_NAME,
     DecodeGroup,
     DecodeKernel,
@@ -30,16 +30,16 @@ from triollm.model.attention import (
     compiled_paged_decode_attention,
     forward_metadata,
 )
-from triollm.model.cpu_decode import CpuDecodeKernel, load_kernel
-from triollm.model.cpu_helpers import drain_pools
-from triollm.model.cpu_threads import ComputeThreads, prepare_for_cpu
-from triollm.model.loader import load_model
-from triollm.model.lora_manager import LoRAManager
-from triollm.model.packed_linear import (
+from triollm.model.cpu.decode import CpuDecodeKernel, load_kernel
+from triollm.model.cpu.helpers import drain_pools
+from triollm.model.cpu.packed_linear import (
     fuse_shared_input_calls,
     group_weights_of_shared_inputs,
     recording_calls,
 )
+from triollm.model.cpu.threads import ComputeThreads, prepare_for_cpu
+from triollm.model.loader import load_model
+from triollm.model.lora.manager import LoRAManager
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 

@@ -1,7 +1,7 @@
 """The pooling model runner: embeddings, classifiers and cross-encoders.
 
 One step is one forward over whole prompts packed into a ``[1, T]`` row, sorted by
-length so prompts of equal length share one attention call (model/varlen_attention.py);
+length so prompts of equal length share one attention call (model/attention/varlen.py);
 no padding between prompts and no KV cache. Where linear layers run on oneDNN (fp32, or
 bf16 without AVX512-BF16), each would copy a row count outside packed_linear.py's
 bounded set into a padded buffer (about 6% of an fp32 embedding step), so the row is
@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from triollm.config import EngineConfig
-from triollm.model.cpu_helpers import drain_pools
-from triollm.model.cpu_threads import ComputeThreads, prepare_for_cpu
-from triollm.model.cpu_varlen import VarlenKernel, load_varlen_kernel
+from triollm.model.attention.varlen import VARLEN_ATTENTION_NAME, VarlenMetadata
+from triollm.model.cpu.helpers import drain_pools
+from triollm.model.cpu.packed_linear import padded_rows, pads_rows
+from triollm.model.cpu.threads import ComputeThreads, prepare_for_cpu
+from triollm.model.cpu.varlen import VarlenKernel, load_varlen_kernel
 from triollm.model.loader import load_pooling_model
-from triollm.model.packed_linear import padded_rows, pads_rows
 from triollm.model.pooler import Pooler
-from triollm.model.varlen_attention import VARLEN_ATTENTION_NAME, VarlenMetadata
 from triollm.pooling_params import PoolingParams
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from triollm.model.cpu_helpers import set_spare_threads
-from triollm.model.cpu_malloc import keep_freed_memory
-from triollm.model.packed_linear import pack_linear_layers
+from triollm.model.cpu.helpers import set_spare_threads
+from triollm.model.cpu.malloc import keep_freed_memory
+from triollm.model.cpu.packed_linear import pack_linear_layers
 
 __all__ = ["ComputeThreads", "CpuTimes", "prepare_for_cpu", "read_cpu_times"]
 
