@@ -29,6 +29,11 @@ core is marked contaminated.
     python benchmarks/vs_vllm.py                       # everything (about 20 min on 2 cores)
     python benchmarks/vs_vllm.py --models 27m --parts offline neighbour [--rounds 3]
     python benchmarks/vs_vllm.py --engines triollm     # without vLLM
+    python benchmarks/vs_vllm.py --baseline ../base    # also triollm from another checkout
+
+``--baseline DIR`` adds the engine ``baseline``: triollm imported from ``DIR/src`` (a git
+worktree of an earlier commit, say), taking its turns beside the others in the same run,
+so a change's before and after are measured under the same conditions.
 
 Only the standard library is imported at the top: the vLLM child runs this file with the
 side venv's python, where triollm is not installed.
@@ -57,6 +62,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ANCHOR = HERE.parent.parent / "shared" / "anchors" / "vllm_cpu"
 CONTAMINATED_CORES = 0.1
+#: Extra environment per engine: ``baseline`` imports triollm from another checkout.
+ENGINE_ENV: dict[str, dict[str, str]] = {}
 #: {"prompts": token ids per request, "output_lens": tokens to generate per request}
 Workload = dict[str, list]
 
@@ -129,12 +136,12 @@ class LoadSampler:
         return self._others / max(1e-9, time.monotonic() - self._start)
 
 
-def run_child(command: list[str], what: str, neighbours: set[int] | None = None
-              ) -> tuple[dict[str, Any], float]:
+def run_child(command: list[str], what: str, neighbours: set[int] | None = None,
+              engine_env: dict[str, str] | None = None) -> tuple[dict[str, Any], float]:
     """Run a benchmark's measuring process offline: the JSON of its last ``RESULT`` line,
     and how many cores the rest of the machine (but ``neighbours``) used meanwhile."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **(engine_env or {})}
     sampler = LoadSampler(neighbours or set())
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     others = sampler.others_cores()
@@ -261,10 +268,11 @@ def _offline_child(engine: str, python: str, model_dir: str, workload: Workload,
                    max_num_seqs: int, neighbour_rounds: int) -> tuple[dict[str, Any], float]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
         json.dump(workload, file)
-    command = [python, __file__, "--child-offline", engine, model_dir, file.name,
+    child_engine = "vllm" if engine == "vllm" else "triollm"
+    command = [python, __file__, "--child-offline", child_engine, model_dir, file.name,
                str(max_num_seqs), str(neighbour_rounds)]
     try:
-        return run_child(command, f"{engine} offline run")
+        return run_child(command, f"{engine} offline run", engine_env=ENGINE_ENV.get(engine))
     finally:
         os.unlink(file.name)
 
@@ -312,7 +320,8 @@ def server(engine: str, python: str, model_dir: str, log: Path) -> Iterator[str]
     else:
         command = [python, "-m", "triollm", "serve", model_dir, *common,
                    "--disable-log-requests"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           **ENGINE_ENV.get(engine, {})}
     with open(log, "w") as output:
         process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -387,9 +396,11 @@ def print_table(measurements: list[Measurement], engines: list[str]) -> None:
     by_label: dict[str, dict[str, Measurement]] = {}
     for m in measurements:
         by_label.setdefault(m.label, {})[m.engine] = m
-    print("\n| workload | metric | " + " | ".join(engines)
-          + (" | triollm / vllm |" if len(engines) == 2 else " |"))
-    print("|---" * (2 + len(engines) + (len(engines) == 2)) + "|")
+    pairs = [(a, b) for a, b in (("triollm", "vllm"), ("triollm", "baseline"))
+             if a in engines and b in engines]
+    print("\n| workload | metric | " + " | ".join(engines) + "".join(
+        f" | {a} / {b}" for a, b in pairs) + " |")
+    print("|---" * (2 + len(engines) + len(pairs)) + "|")
     for label, row in by_label.items():
         metrics = next(iter(row.values())).values
         for metric in metrics:
@@ -403,9 +414,9 @@ def print_table(measurements: list[Measurement], engines: list[str]) -> None:
                     if m.contaminated else ""
                 digits = 2 if metric == "slowdown_x" else 1
                 cells.append(f"{m.values[metric]:.{digits}f}{flag}")
-            ratio = ""
-            if len(engines) == 2 and all(e in row for e in engines):
-                ratio = f" | {row[engines[0]].values[metric] / row[engines[1]].values[metric]:.2f}x"
+            ratio = "".join(
+                f" | {row[a].values[metric] / row[b].values[metric]:.3f}x"
+                if a in row and b in row else " | n/a" for a, b in pairs)
             print(f"| {label} | {metric} | " + " | ".join(cells) + ratio + " |")
     for m in measurements:
         for note in m.notes:
@@ -419,6 +430,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--engines", nargs="+", default=["triollm", "vllm"],
                         choices=["triollm", "vllm"])
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="also run triollm from DIR/src as the engine 'baseline'")
     parser.add_argument("--parts", nargs="+", default=["offline", "serving", "neighbour"],
                         choices=["offline", "serving", "neighbour"])
     parser.add_argument("--workloads", nargs="+", default=list(OFFLINE), choices=list(OFFLINE))
@@ -431,6 +444,12 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="the side venv's python (default: run the anchor's setup.sh)")
     args = parser.parse_args()
+    if args.baseline is not None:
+        source = Path(args.baseline).resolve() / "src"
+        if not (source / "triollm").is_dir():
+            parser.error(f"--baseline: no triollm package under {source}")
+        ENGINE_ENV["baseline"] = {"PYTHONPATH": str(source)}
+        args.engines = [*args.engines, "baseline"]
     vllm_python = args.vllm_python
     if vllm_python is None and ("vllm" in args.engines or "serving" in args.parts):
         vllm_python = subprocess.run(["bash", str(ANCHOR / "setup.sh")], check=True,
