@@ -186,9 +186,9 @@ def build(stem: str, flags: list[str] | None = None) -> Path:
 
 
 def compile_only(stem: str, flags: list[str]) -> None:
-    """Compiles ``csrc/<stem>.c`` (or a header-only check of ``pool.c``) with ``flags``
-    and nothing else, discarding the object: raises ``subprocess.CalledProcessError``
-    with the compiler's output where it fails (add ``-Werror`` to fail on a warning)."""
+    """Compiles ``csrc/<stem>.c`` (``pool`` included) with ``flags`` and nothing else,
+    discarding the object: raises ``subprocess.CalledProcessError`` with the compiler's
+    output where it fails (add ``-Werror`` to fail on a warning)."""
     with tempfile.TemporaryDirectory() as work:
         subprocess.run([_compiler(), *flags, f"-I{CSRC}", "-c", str(CSRC / f"{stem}.c"),
                         "-o", str(Path(work) / "out.o")],

@@ -165,4 +165,5 @@ def load_kernel() -> CpuDecodeKernel | None:
     """The kernel for this machine, built on first use and checked against torch; None
     where it cannot be built (no C compiler, say) or disagrees, with the reason logged."""
     return load_checked("decode", "CPU decode attention kernel", CpuDecodeKernel,
-                        _agrees_with_torch, fallback="torch's decode attention (compiled, else gathering)")
+                        _agrees_with_torch,
+                        fallback="torch's decode attention (compiled, else gathering)")

@@ -15,9 +15,9 @@ rows in registers. Bidirectional or causal; grouped-query heads; bf16 in and out
 in fp32. Head sizes must be multiples of 16; the caller keeps SDPA for anything else
 (and for sliding windows and fp32 models).
 
-Built from ``csrc/varlen.c`` for the CPU it runs on (build.py) and checked against SDPA when it loads;
-``load_varlen_kernel`` returns None on CPUs without AVX512-BF16, without a compiler, or
-where it disagrees.
+Built from ``csrc/varlen.c`` for the CPU it runs on (build.py) and checked against SDPA
+when it loads; ``load_varlen_kernel`` returns None on CPUs without AVX-512 or without a
+compiler, or where it disagrees.
 """
 
 from __future__ import annotations
