@@ -12,6 +12,9 @@ from hypothesis import HealthCheck, settings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A C kernel this CPU supports that fails to build, warns, or disagrees with torch when
+# it loads is an error in the tests, not a warning and a slower path (model/cpu/build.py).
+os.environ.setdefault("TRIOLLM_STRICT_KERNELS", "1")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 settings.register_profile(

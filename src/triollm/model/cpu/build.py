@@ -1,55 +1,85 @@
-"""Building the engine's small C kernels: compiled on first use with the machine's C
-compiler (``$CC``, else ``cc``), ``-O3 -march=native``, into a cache directory
-(``$TRIOLLM_CACHE/kernels``, else ``~/.cache/triollm/kernels``). A library's file name
-is keyed by its source, flags, the compiler's version and the CPU's model and feature
-flags, so a cache carried to another machine is never reused there. ``load_checked``
-is how each kernel module loads its library: what its answers are checked against is
-the module's own business (cpu_decode.py, cpu_gemm.py, cpu_varlen.py)."""
+"""Building the engine's C kernels from their sources in ``triollm/csrc/`` (shipped as
+package data): compiled on first use with the machine's C compiler (``$CC``, else
+``cc``), ``-O3 -march=native -Wall -Wextra``, into a cache directory
+(``$TRIOLLM_CACHE/kernels``, else ``~/.cache/triollm/kernels``). A library's file name is
+keyed by its source and the headers, the flags, the compiler's version and the CPU's
+model and feature flags, so a cache carried to another machine is never reused there.
+``python -m triollm.model.cpu.build`` builds every kernel by hand and says which this
+CPU runs.
+
+- The helper pool (``pool.c``, see helpers.py) is a library of its own that the kernel
+  libraries link (found beside them through ``$ORIGIN``), so a process has one pool.
+- OpenMP regions run on the runtime torch loaded: where torch ships its ``libgomp`` in
+  ``torch/lib``, the kernels link that file, not the compiler's.
+- A compiler warning, a failed build or a kernel that disagrees with torch when it loads
+  is logged as a warning naming the slower path used instead; with
+  ``TRIOLLM_STRICT_KERNELS=1`` (the test suite sets it) each raises ``KernelBuildError``.
+  A kernel the CPU lacks the instructions for is skipped silently.
+
+The kernels stay plain C behind ctypes rather than torch ops (``TORCH_LIBRARY``) built
+with torch.utils.cpp_extension: a one-op extension (``x * 2``) took 131 s to build on
+the project's 2-core machine (47 s of CPU, nearly all in torch's headers) against about
+1 s for a kernel here, and a build on first use runs again for every new compiler, CPU
+or torch version, on the engine's start.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import logging
 import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["AVX512_EXP16", "FLAGS", "build", "cpu_flags", "cpu_signature", "load_checked",
-           "load_library"]
+__all__ = ["CSRC", "FLAGS", "KERNELS", "KernelBuildError", "KernelSource", "build",
+           "compile_only", "cpu_flags", "cpu_signature", "load_checked", "load_library",
+           "load_pool", "strict"]
 
 logger = logging.getLogger(__name__)
 
 Kernel = TypeVar("Kernel")
 
-#: C source of ``exp16``, e^x of 16 floats at once, for the kernels' AVX-512 paths (it
-#: needs immintrin.h included first).
-AVX512_EXP16 = r"""
-/* e^x for x <= 0: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial in r, scaled by
-   2^n; within 2 ulp of expf on [-87, 0], and 0 below (where expf is below 2^-125). */
-static inline __m512 exp16(__m512 x) {
-    const __m512 floor_ = _mm512_set1_ps(-87.0f);
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor_, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, floor_);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
-}
-"""
+#: The C sources: a kernel per ``.c`` file, shared parts in headers.
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-Wall", "-Wextra"]
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """A kernel library: ``csrc/<stem>.c``, whether it links the helper pool, and the C
+    function (if any) that returns 0 where this CPU lacks what it needs (``needs``)."""
+
+    stem: str
+    pooled: bool
+    supported: str | None = None
+    needs: str = ""
+
+
+KERNELS = {
+    "decode": KernelSource("decode", pooled=True),
+    "gemm": KernelSource("gemm", pooled=True, supported="triollm_gemm_supported",
+                         needs="AVX512-BF16"),
+    "varlen": KernelSource("varlen", pooled=False, supported="triollm_varlen_supported",
+                           needs="AVX-512"),
+}
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel failed to build or to pass its load-time check (strict mode only)."""
+
+
+def strict() -> bool:
+    """Whether build and check failures raise (``TRIOLLM_STRICT_KERNELS=1``)."""
+    return os.environ.get("TRIOLLM_STRICT_KERNELS", "") not in ("", "0")
 
 
 def cpu_signature() -> str:
@@ -78,53 +108,154 @@ def _cache_dir() -> Path:
     return Path(base) / "kernels"
 
 
-def build(stem: str, source: str, flags: list[str] | None = None) -> Path:
-    """The shared library built from ``source`` (built now unless cached); raises
-    ``OSError`` or ``subprocess.SubprocessError`` where it cannot be built."""
-    compiler = os.environ.get("CC", "cc")
-    flags = FLAGS if flags is None else flags
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             check=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([source, " ".join(flags), version,
-                                    cpu_signature()]).encode()).hexdigest()[:20]
-    target = _cache_dir() / f"{stem}_{key}.so"
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+@cache
+def _compiler_version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                          check=True, timeout=60).stdout
+
+
+def _openmp_link() -> list[str]:
+    """Link flags for the OpenMP runtime: torch's own ``libgomp`` where it ships one."""
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.origin is not None and sys.platform == "linux":
+        runtimes = sorted((Path(spec.origin).parent / "lib").glob("libgomp*.so*"))
+        if runtimes:
+            return [str(runtimes[0]), f"-Wl,-rpath,{runtimes[0].parent}"]
+    return ["-fopenmp"]
+
+
+def _run(command: list[str]) -> None:
+    """Runs the compiler; a warning it prints is logged, or raised in strict mode."""
+    done = subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+    if done.stderr.strip():
+        if strict():
+            raise KernelBuildError(f"the compiler warned: {done.stderr.strip()[:2000]}")
+        logger.warning("the C compiler warned building a kernel: %s", done.stderr.strip()[:500])
+
+
+def _key(*parts: str) -> str:
+    headers = [path.read_text() for path in sorted(CSRC.glob("*.h"))]
+    text = "\0".join([*parts, *headers, _compiler_version(_compiler()), cpu_signature()])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _install(name: str, make: Callable[[Path], None]) -> Path:
+    """``name`` in the cache, made by ``make(path)`` in a scratch directory unless there."""
+    target = _cache_dir() / name
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        source_file = Path(work) / f"{stem}.c"
-        source_file.write_text(source)
-        built = Path(work) / f"{stem}.so"
-        subprocess.run([compiler, *flags, str(source_file), "-o", str(built), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=300)
+        built = Path(work) / name
+        make(built)
         os.replace(built, target)  # atomic: concurrent builders each install a whole file
     return target
 
 
-def load_library(stem: str, source: str, what: str,
+def _pool_path() -> Path:
+    flags = [flag for flag in FLAGS if flag != "-fopenmp"]
+    source = (CSRC / "pool.c").read_text()
+    name = f"libtriollm_pool_{_key(source, ' '.join(flags))}.so"
+
+    def make(built: Path) -> None:
+        _run([_compiler(), *flags, "-shared", f"-Wl,-soname,{name}", f"-I{CSRC}",
+              str(CSRC / "pool.c"), "-o", str(built)])
+    return _install(name, make)
+
+
+def build(stem: str, flags: list[str] | None = None) -> Path:
+    """The shared library of ``KERNELS[stem]`` (built now unless cached); raises
+    ``OSError`` or ``subprocess.SubprocessError`` where it cannot be built."""
+    kernel = KERNELS[stem]
+    flags = FLAGS if flags is None else flags
+    link = _openmp_link()
+    pool = [str(_pool_path()), "-Wl,-rpath,$ORIGIN"] if kernel.pooled else []
+    source = (CSRC / f"{stem}.c").read_text()
+    name = f"{stem}_{_key(source, ' '.join(flags), ' '.join(link), *pool[:1])}.so"
+
+    def make(built: Path) -> None:
+        objects = built.with_suffix(".o")
+        _run([_compiler(), *flags, f"-I{CSRC}", "-c", str(CSRC / f"{stem}.c"),
+              "-o", str(objects)])
+        _run([_compiler(), "-shared", str(objects), *pool, *link, "-lm", "-o", str(built)])
+    return _install(name, make)
+
+
+def compile_only(stem: str, flags: list[str]) -> None:
+    """Compiles ``csrc/<stem>.c`` (``pool`` included) with ``flags`` and nothing else,
+    discarding the object: raises ``subprocess.CalledProcessError`` with the compiler's
+    output where it fails (add ``-Werror`` to fail on a warning)."""
+    with tempfile.TemporaryDirectory() as work:
+        subprocess.run([_compiler(), *flags, f"-I{CSRC}", "-c", str(CSRC / f"{stem}.c"),
+                        "-o", str(Path(work) / "out.o")],
+                       check=True, capture_output=True, text=True, timeout=300)
+
+
+@cache
+def load_pool() -> ctypes.CDLL:
+    """The helper pool's library (the one every pooled kernel links)."""
+    return ctypes.CDLL(str(_pool_path()))
+
+
+def load_library(stem: str, what: str, fallback: str,
                  flags: list[str] | None = None) -> ctypes.CDLL | None:
-    """``build`` and load; None where that fails (no C compiler, say), with the reason
-    logged as "building the ``what`` failed"."""
+    """``build`` and load; None where that fails (no C compiler, say), with a warning
+    "building the ``what`` failed ... ``fallback`` runs instead" (strict mode: raises
+    ``KernelBuildError``)."""
     try:
-        return ctypes.CDLL(str(build(stem, source, flags)))
+        return ctypes.CDLL(str(build(stem, flags)))
     except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or ""
-        logger.warning("building the %s failed (%s: %s %s)", what, type(error).__name__,
-                       error, detail.strip()[:500])
+        detail = (getattr(error, "stderr", "") or "").strip()[:500]
+        if strict():
+            raise KernelBuildError(f"building the {what} failed: {error} {detail}") from error
+        logger.warning("building the %s failed (%s: %s %s); %s runs instead, slower",
+                       what, type(error).__name__, error, detail, fallback)
         return None
 
 
-def load_checked(stem: str, source: str, what: str, wrap: Callable[[ctypes.CDLL], Kernel],
-                 agrees: Callable[[Kernel], bool], supported: str | None = None
-                 ) -> Kernel | None:
-    """``load_library``; then, where ``supported`` names a C function of the library that
-    returns 0 (this CPU lacks what the kernel needs), None without a warning; else
-    ``wrap(library)``, or None with a warning where ``agrees`` rejects its answers."""
-    library = load_library(stem, source, what)
+def load_checked(stem: str, what: str, wrap: Callable[[ctypes.CDLL], Kernel],
+                 agrees: Callable[[Kernel], bool], fallback: str) -> Kernel | None:
+    """``load_library``; then None without a warning where the kernel's ``supported``
+    function says this CPU lacks what it needs; else ``wrap(library)``, or None with a
+    warning naming ``fallback`` where ``agrees`` rejects its answers (strict mode:
+    raises ``KernelBuildError``)."""
+    library = load_library(stem, what, fallback)
+    supported = KERNELS[stem].supported
     if library is None or (supported is not None and not getattr(library, supported)()):
         return None
     kernel = wrap(library)
     if not agrees(kernel):
-        logger.warning("the %s disagrees with torch here; not using it", what)
+        if strict():
+            raise KernelBuildError(f"the {what} disagrees with torch here")
+        logger.warning("the %s disagrees with torch here; %s runs instead, slower",
+                       what, fallback)
         return None
     return kernel
+
+
+def main() -> int:
+    """Builds every kernel and prints each library, or why this CPU skips it; returns 1
+    where one failed to build."""
+    failed = 0
+    for kernel in KERNELS.values():
+        try:
+            path = build(kernel.stem)
+        except (OSError, subprocess.SubprocessError, KernelBuildError) as error:
+            detail = (getattr(error, "stderr", "") or "").strip()
+            print(f"{kernel.stem}: FAILED ({error}) {detail}")
+            failed = 1
+            continue
+        library = ctypes.CDLL(str(path))
+        if kernel.supported is not None and not getattr(library, kernel.supported)():
+            print(f"{kernel.stem}: skipped, this CPU lacks {kernel.needs} ({path})")
+        else:
+            print(f"{kernel.stem}: built {path}")
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The helper pool and the decode kernel under ThreadSanitizer and under AddressSanitizer
+with UndefinedBehaviorSanitizer: ``tests/csrc/pool_driver.c`` runs jobs on helpers
+(two callers at once, helpers that stall so the caller takes their units back, drains)
+and decode attention on the pool against its OpenMP entry point; it must give the right
+answers and the sanitizer must report nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from triollm.model.cpu.build import CSRC
+
+DRIVER = Path(__file__).parent / "csrc" / "pool_driver.c"
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def _has_runtime(sanitizer: str, work: Path) -> bool:
+    """Whether the compiler links and runs a program with ``-fsanitize=sanitizer``."""
+    probe = work / "probe.c"
+    probe.write_text("int main(void) { return 0; }\n")
+    built = subprocess.run([_compiler(), f"-fsanitize={sanitizer}", str(probe), "-o",
+                            str(work / "probe")], capture_output=True, timeout=120)
+    return built.returncode == 0 and subprocess.run(
+        [str(work / "probe")], capture_output=True, timeout=60).returncode == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the pool has helpers on Linux only")
+@pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
+def test_the_pool_and_the_decode_kernel_run_clean_under_a_sanitizer(
+        sanitizer: str, tmp_path: Path) -> None:
+    if not _has_runtime(sanitizer, tmp_path):
+        pytest.skip(f"the C compiler has no -fsanitize={sanitizer} runtime here")
+    program = tmp_path / "driver"
+    subprocess.run(
+        [_compiler(), "-O1", "-g", "-march=native", "-fno-omit-frame-pointer",
+         f"-fsanitize={sanitizer}", "-fno-sanitize-recover=all", "-fopenmp", "-std=c11",
+         "-Wall", "-Wextra", "-Werror", f"-I{CSRC}", str(DRIVER), str(CSRC / "pool.c"),
+         str(CSRC / "decode.c"), "-lm", "-o", str(program)],
+        check=True, capture_output=True, text=True, timeout=300)
+    environment = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66",
+                   "ASAN_OPTIONS": "detect_leaks=1 exitcode=66"}
+    done = subprocess.run([str(program)], capture_output=True, text=True, timeout=120,
+                          env=environment)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+    assert "Sanitizer" not in done.stderr and "runtime error" not in done.stderr, done.stderr
