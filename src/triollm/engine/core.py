@@ -69,6 +69,10 @@ class EngineCore:
             tokenizer, eos_token_ids=_eos_token_ids(config, tokenizer),
             max_model_len=config.model.max_model_len)
         self.intake = RequestIntake(config, tokenizer, self.output_processor, clock)
+        self.vocab_size = self.intake.vocab_size
+        self.max_model_len = self.intake.max_model_len
+        self.max_logprobs = self.intake.max_logprobs
+        self.eos_token_ids = self.output_processor.eos_token_ids
         self.requests = RequestRegistry()
         self._sequence_numbers = itertools.count()
         self._failures: list[RequestFailure] = []
