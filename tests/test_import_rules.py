@@ -100,7 +100,7 @@ EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
     "triollm.engine.inputs", "triollm.engine.chat", "triollm.engine.output_processor",
     "triollm.engine.stats", "triollm.pooling_params", "triollm.engine.scoring",
     "triollm.lora.request", "triollm.engine.request_registry", "triollm.engine.lora_registry",
-    "triollm.engine.stats_collector", "triollm.engine.intake",
+    "triollm.engine.stats_collector", "triollm.engine.intake", "triollm.engine.step_budget",
 ])
 def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
     assert forbidden(module, ("torch", "transformers", *EVENT_LOOPS)) == []
