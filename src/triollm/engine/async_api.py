@@ -37,8 +37,6 @@ class AsyncEngineAPI:
 
     config: EngineConfig
     tokenizer: PreTrainedTokenizerBase
-    #: With ``log_stats``: vLLM's statistics line, written by ``do_log_stats``, and the
-    #: server's Prometheus metrics.
     log_stats: bool
     _core: EngineCore | None
     _worker: ModelWorker | None
