@@ -10,7 +10,6 @@ from typing import Any
 import anyio
 import pytest
 
-from helpers import run_ticker
 from triollm import (
     AsyncEngineArgs,
     AsyncLLMEngine,
@@ -286,37 +285,55 @@ async def test_an_idle_model_thread_takes_a_job_before_the_loop_runs_on(
     monkeypatch.setattr(worker_module, "HANDOFF_SECONDS", 10.0)
     started = threading.Event()
     release = threading.Event()
+    released_in_time: list[bool] = []
 
     def job() -> None:
         started.set()
-        release.wait(10)
+        # Half the hand-off bound: a loop that blocked for the bound on the second job
+        # below would leave this wait to give up before it released the thread.
+        released_in_time.append(release.wait(worker_module.HANDOFF_SECONDS / 2))
 
     async with open_model_worker() as worker, anyio.create_task_group() as tg:
         tg.start_soon(worker.run_sync, job)
         await anyio.wait_all_tasks_blocked()  # the task has submitted and is waiting
         assert started.is_set()
         # The thread is busy now: a second job is queued without blocking the loop.
-        lateness: list[float] = []
-        tg.start_soon(run_ticker, lateness)
         tg.start_soon(worker.run_sync, lambda: None)
-        await anyio.sleep(0.3)
+        await anyio.wait_all_tasks_blocked()
         release.set()
-        await anyio.sleep(0.05)
-        tg.cancel_scope.cancel()
-    assert max(lateness) < 0.2
+    assert released_in_time == [True]
 
 
 async def test_event_loop_stays_responsive_while_the_model_computes() -> None:
-    engine, _ = make_engine(runner=FakeModelRunner(256, VOCAB, step_delay=0.2))
-    lateness: list[float] = []
+    # Each step waits in the model thread until the event loop has ticked several times
+    # since it began: a step that blocked the loop would wait in vain, and give up.
+    ticks = 0
+    ticked = threading.Condition()
+    waited: list[bool] = []
 
+    class TickWaitingRunner(FakeModelRunner):
+        def execute_model(self, scheduler_output: Any) -> Any:
+            if scheduler_output.is_empty:  # only drops finished requests' state
+                return super().execute_model(scheduler_output)
+            with ticked:
+                target = ticks + 5
+                waited.append(ticked.wait_for(lambda: ticks >= target, timeout=10))
+            return super().execute_model(scheduler_output)
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.001)
+            with ticked:
+                ticks += 1
+                ticked.notify_all()
+
+    engine, _ = make_engine(runner=TickWaitingRunner(256, VOCAB))
     async with engine, anyio.create_task_group() as tg:
-        tg.start_soon(run_ticker, lateness)
+        tg.start_soon(tick)
         await collect(engine, [3], "long", params(2))
         tg.cancel_scope.cancel()
-    assert len(lateness) > 100
-    # A blocked loop would make a tick at least one 200 ms step late.
-    assert max(lateness) < 0.1
+    assert len(waited) >= 2 and all(waited)
 
 
 async def test_statistics_report_running_waiting_and_blocks() -> None:

@@ -1,4 +1,5 @@
-"""ruff (with the ASYNC rules) and mypy stay clean; CI runs them through this suite."""
+"""ruff (with the ASYNC rules) and mypy stay clean, and every module fits on a screen;
+CI runs them through this suite."""
 
 from __future__ import annotations
 
@@ -6,7 +7,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "triollm"
+
+#: The most lines one module under src/ may have: one concept, readable in one sitting.
+MAX_MODULE_LINES = 450
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(SRC).as_posix()
+                                        for p in SRC.rglob("*.py")))
+def test_no_module_is_over_the_size_limit(path: str) -> None:
+    """Each module is checked on its own, so a failure names the file to split."""
+    lines = len((SRC / path).read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, (
+        f"src/triollm/{path} has {lines} lines (limit {MAX_MODULE_LINES}): split it along "
+        f"its seams")
 
 
 def test_ruff_is_clean() -> None:

@@ -1,13 +1,17 @@
 """The package's layering, checked on the source: which module may import what.
 
 Imports are read with ``ast`` from every module under src/triollm, including imports
-inside functions (a lazy import is still an arrow), but not those under
-``if TYPE_CHECKING:``, which never run.
+inside functions (a lazy import is still an arrow). What a module reaches at run time
+leaves out imports under ``if TYPE_CHECKING:``, which never run; the cycle check counts
+them too, since a type-only cycle is still two modules that cannot be read apart.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -26,13 +30,14 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(path): path for path in sorted(SRC.rglob("*.py"))}
 
 
-def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """All nodes except those under ``if TYPE_CHECKING:``."""
+def runtime_nodes(tree: ast.AST, *, type_checking: bool = False) -> list[ast.AST]:
+    """All nodes except those under ``if TYPE_CHECKING:`` (with ``type_checking``, all)."""
     nodes: list[ast.AST] = []
     todo = [tree]
     while todo:
         node = todo.pop()
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+        if (not type_checking and isinstance(node, ast.If)
+                and getattr(node.test, "id", None) == "TYPE_CHECKING"):
             todo.extend(node.orelse)
             continue
         nodes.append(node)
@@ -41,11 +46,13 @@ def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
 
 
 @cache
-def direct_imports(module: str) -> frozenset[str]:
-    """What ``module`` imports: ``from a.b import c`` counts as ``a.b.c`` when that is
-    one of our modules, else as ``a.b``."""
+def direct_imports(module: str, *, type_checking: bool = False) -> frozenset[str]:
+    """What ``module`` imports at run time (with ``type_checking``, for the type checker
+    too): ``from a.b import c`` counts as ``a.b.c`` when that is one of our modules,
+    else as ``a.b``."""
     found: set[str] = set()
-    for node in runtime_nodes(ast.parse(MODULES[module].read_text())):
+    tree = ast.parse(MODULES[module].read_text())
+    for node in runtime_nodes(tree, type_checking=type_checking):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -92,7 +99,8 @@ EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
     "triollm.engine.block_manager", "triollm.engine.step_time", "triollm.engine.detokenizer",
     "triollm.engine.inputs", "triollm.engine.chat", "triollm.engine.output_processor",
     "triollm.engine.stats", "triollm.pooling_params", "triollm.engine.scoring",
-    "triollm.lora.request",
+    "triollm.lora.request", "triollm.engine.request_registry", "triollm.engine.lora_registry",
+    "triollm.engine.stats_collector", "triollm.engine.intake", "triollm.engine.step_budget",
 ])
 def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
     assert forbidden(module, ("torch", "transformers", *EVENT_LOOPS)) == []
@@ -100,13 +108,15 @@ def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) ->
 
 @pytest.mark.parametrize("module", [
     *modules_under("triollm.model"), "triollm.engine.core", "triollm.engine.args",
-    "triollm.llm", "triollm.server.protocol",
+    "triollm.engine.resolve", "triollm.engine.assembly", "triollm.llm",
+    "triollm.server.protocol",
 ])
 def test_model_and_sync_engine_code_never_import_an_event_loop(module: str) -> None:
     assert forbidden(module, EVENT_LOOPS) == []
 
 
 ASYNC_MODULES = {"triollm", "triollm.cli", "triollm.engine.async_engine",
+                 "triollm.engine.async_api", "triollm.engine.async_requests",
                  "triollm.engine.channel", "triollm.engine.worker",
                  *modules_under("triollm.server")}
 
@@ -127,14 +137,37 @@ def test_the_engine_never_imports_the_server(module: str) -> None:
     assert forbidden(module, ("triollm.server", "triollm.cli")) == []
 
 
-def test_errors_and_config_import_nothing_heavy() -> None:
+LIGHT_MODULES = ("triollm.config", "triollm.errors", "triollm.sampling_params",
+                 "triollm.outputs")
+
+
+@pytest.mark.parametrize("module", LIGHT_MODULES)
+def test_the_plain_data_modules_import_neither_torch_nor_transformers(module: str) -> None:
+    """What users and the server read without a model (configs, errors, parameters,
+    outputs) loads no framework: torch and transformers appear in annotations only."""
+    assert forbidden(module, ("torch", "transformers", "triollm.model")) == []
+
+
+def test_importing_the_plain_data_modules_loads_no_framework() -> None:
+    """The same, as Python sees it: the package root comes with them, so it must stay
+    light too (``triollm serve --help`` loads no model framework)."""
+    code = (f"import sys; import {', '.join(LIGHT_MODULES)}; "
+            f"print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(SRC.parent)}, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_errors_and_step_import_nothing_of_ours_beyond_their_layer() -> None:
     assert forbidden("triollm.errors", ("torch", "transformers", "triollm")) == []
-    assert forbidden("triollm.config", ("transformers", "triollm.model")) == []
     assert forbidden("triollm.step", ("triollm.engine", "triollm.model")) == []
 
 
-def test_there_is_no_import_cycle() -> None:
-    graph = {m: sorted(i for i in direct_imports(m) if i in MODULES) for m in MODULES}
+@pytest.mark.parametrize("type_checking", [False, True],
+                         ids=["at-run-time", "with-type-checking-imports"])
+def test_there_is_no_import_cycle(type_checking: bool) -> None:
+    graph = {m: sorted(i for i in direct_imports(m, type_checking=type_checking)
+                       if i in MODULES) for m in MODULES}
     path: list[str] = []
     on_path: set[str] = set()
     done: set[str] = set()
@@ -160,9 +193,11 @@ def test_there_is_no_import_cycle() -> None:
 def test_the_checks_see_real_imports() -> None:
     """The checks above would pass vacuously if the import reader found nothing."""
     assert "torch" in forbidden("triollm.model.sampler", ("torch",))
-    assert "triollm.engine.core" in direct_imports("triollm.llm")
+    assert "triollm.engine.core" in direct_imports("triollm.engine.assembly")
     assert "triollm.server.routes.chat" in direct_imports("triollm.server.app")
     assert "triollm.model.loader" in direct_imports("triollm.engine.args")  # a lazy import
     assert "anyio" in direct_imports("triollm.engine.channel")
-    # A TYPE_CHECKING-only import is not an arrow.
+    # A TYPE_CHECKING-only import is an arrow for the type checker only.
     assert "triollm.engine.async_engine" not in direct_imports("triollm.server.state")
+    assert "triollm.engine.async_engine" in direct_imports("triollm.server.state",
+                                                            type_checking=True)

@@ -321,6 +321,11 @@ def scrape(server: ThreadedServer) -> tuple[dict[str, str], dict[tuple[str, str]
     return types, values
 
 
+#: vLLM's time-to-first-token buckets, as its Grafana dashboard reads them.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
 def value(values: dict[tuple[str, str], float], name: str, **labels: str) -> float:
     """The one series of ``name`` with ``labels`` (and vLLM's model_name and engine)."""
     wanted = {"model_name": MODEL, "engine": "0", **labels}
@@ -432,8 +437,12 @@ def test_metrics_after_a_known_workload_carry_vllms_names_types_and_values(
     # decode; a sequence's first token comes with its last prompt chunk.
     assert value(values, "vllm:iteration_tokens_total_sum") == (
         prompt_total - hits + generated - finished)
-    # vLLM's buckets, and the latency phases add up to the end-to-end latency.
-    assert value(values, "vllm:time_to_first_token_seconds_bucket", le="0.001") >= 0
+    # vLLM's buckets (vllm/v1/metrics/buckets.py), cumulative: each counts the sequences
+    # at or under its bound, the last one every finished sequence; and the latency phases
+    # add up to the end-to-end latency.
+    ttft = [value(values, "vllm:time_to_first_token_seconds_bucket", le=str(bound))
+            for bound in VLLM_TTFT_BUCKETS]
+    assert ttft == sorted(ttft) and ttft[-1] == finished
     assert ("vllm:time_to_first_token_seconds_bucket",
             f'{{engine="0",le="2560.0",model_name="{MODEL}"}}') in values
     queue = value(values, "vllm:request_queue_time_seconds_sum")

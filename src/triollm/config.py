@@ -17,11 +17,10 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from triollm.pooling_params import PoolingTask
-
 __all__ = [
     "DEMO_MODEL_NAME",
     "POLICIES",
+    "POOLING_TASKS",
     "CacheConfig",
     "DecodingConfig",
     "EngineConfig",
@@ -30,6 +29,7 @@ __all__ = [
     "ObservabilityConfig",
     "ParallelConfig",
     "PoolerConfig",
+    "PoolingTask",
     "RunnerKind",
     "SchedulerConfig",
     "SchedulingPolicy",
@@ -42,6 +42,10 @@ DEMO_MODEL_NAME = "triollm/tiny-demo"
 #: ``generate``: a causal LM that samples tokens. ``pooling``: a model that returns one
 #: vector (an embedding, or a classifier's label scores) per prompt.
 RunnerKind = Literal["generate", "pooling"]
+#: ``embed``: one vector per prompt. ``classify``: a sequence classifier's label
+#: probabilities (a cross-encoder's score is ``classify`` over a text pair).
+PoolingTask = Literal["embed", "classify"]
+POOLING_TASKS: tuple[PoolingTask, ...] = ("embed", "classify")
 PoolingType = Literal["MEAN", "CLS", "LAST"]
 SchedulingPolicy = Literal["fcfs", "priority", "slo"]
 POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority", "slo")

@@ -13,11 +13,10 @@ from tqdm.auto import tqdm
 
 from triollm.config import DEMO_MODEL_NAME
 from triollm.engine.args import EngineArgs
+from triollm.engine.assembly import assemble_core, create_model_runner, load_engine_tokenizer
 from triollm.engine.chat import ContentFormat, render_chat
-from triollm.engine.core import EngineCore
 from triollm.engine.inputs import PromptType, TokensPrompt
 from triollm.engine.scoring import plan_scoring, score_pairs
-from triollm.engine.tracing import RequestTracer
 from triollm.errors import RequestFailedError
 from triollm.lora.request import LoRARequest
 from triollm.outputs import (
@@ -51,28 +50,20 @@ class LLM:
     def __init__(self, model: str = DEMO_MODEL_NAME, **engine_args: Any) -> None:
         """Resolve the arguments (vLLM's ``EngineArgs`` names), load the tokenizer and
         the model, and size the KV cache."""
-        from triollm.model.loader import load_tokenizer
-        from triollm.model.runners import create_runner
-
         if engine_args.get("async_scheduling"):
             raise ValueError("async_scheduling: LLM runs each step in the calling thread, "
                              "so none can be scheduled while another computes; use "
                              "AsyncLLMEngine (or triollm serve) for it")
         config = EngineArgs(model=model, **{**engine_args, "async_scheduling": False}
                             ).create_engine_config()
-        self.tokenizer = load_tokenizer(config.model.tokenizer,
-                                        trust_remote_code=config.model.trust_remote_code,
-                                        revision=config.model.tokenizer_revision,
-                                        download_dir=config.model.download_dir)
-        self.engine = EngineCore(config, create_runner(config), self.tokenizer)
+        self.tokenizer = load_engine_tokenizer(config)
+        parts = assemble_core(config, create_model_runner(config), self.tokenizer)
+        self.engine = parts.core
         self._ids = itertools.count()
         #: Each finished request's span goes to ``otlp_traces_endpoint``, from a thread
         #: that lives as long as this object (flushed when it is collected, or at exit).
-        self._tracer: RequestTracer | None = None
-        endpoint = config.observability.otlp_traces_endpoint
-        if endpoint is not None:
-            self._tracer = RequestTracer(endpoint)
-            self.engine.collect_stats = True
+        self._tracer = parts.tracer
+        if self._tracer is not None:
             weakref.finalize(self, self._tracer.shutdown)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:

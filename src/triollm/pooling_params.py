@@ -4,19 +4,13 @@ model (vLLM's class, ``vllm.pooling_params``). No torch, no event loop."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Literal
 
+from triollm.config import POOLING_TASKS, PoolerConfig, PoolingTask
 from triollm.sampling_params import RequestOutputKind
 
-if TYPE_CHECKING:
-    from triollm.config import PoolerConfig
-
+#: ``PoolingTask`` is defined with ``PoolerConfig`` (triollm.config) and exported here
+#: too, where vLLM's users look for it.
 __all__ = ["POOLING_TASKS", "PoolingParams", "PoolingTask"]
-
-#: ``embed``: one vector per prompt. ``classify``: a sequence classifier's label
-#: probabilities (a cross-encoder's score is ``classify`` over a text pair).
-PoolingTask = Literal["embed", "classify"]
-POOLING_TASKS: tuple[PoolingTask, ...] = ("embed", "classify")
 
 
 def _fail(field_name: str, message: str) -> ValueError:

@@ -10,6 +10,11 @@ Outputs go to one ``RequestChannel`` per request (engine/channel.py),
 which never blocks the loop. Aborts take effect in the core at once; a failed step
 fails every stream with ``EngineDeadError`` before ``run`` re-raises; on shutdown,
 open streams get ``EngineClosedError``. The full contract is in docs/concurrency.md.
+
+This module holds the lifetime and the step loop; the class's other parts are its bases:
+requests (``generate``, ``encode``, ``abort``) in engine/async_requests.py, and health,
+statistics, vLLM's getters and LoRA adapters in engine/async_api.py. The parts it runs
+are put together by engine/assembly.py, as ``LLM``'s are.
 """
 
 from __future__ import annotations
@@ -18,38 +23,30 @@ import gc
 import logging
 import sys
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
-from contextlib import aclosing, suppress
+from collections.abc import Callable
+from contextlib import suppress
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, NoReturn
 
 import anyio
 import anyio.abc
 
-from triollm.config import DecodingConfig, ParallelConfig
-from triollm.engine.channel import RequestChannel, RequestChannels, wakeup_factory
+from triollm.engine.assembly import assemble_core, create_model_runner, load_engine_tokenizer
+from triollm.engine.async_requests import AsyncEngineRequests
+from triollm.engine.channel import RequestChannels, wakeup_factory
 from triollm.engine.core import EngineCore
-from triollm.engine.inputs import PromptType
-from triollm.engine.stats import (
-    EngineStatistics,
-    LoggingStatLogger,
-    StatLogger,
-    StatLoggers,
-    stat_logger_list,
-)
+from triollm.engine.stats import LoggingStatLogger, StatLogger, StatLoggers, stat_logger_list
 from triollm.engine.tracing import RequestTracer
 from triollm.engine.worker import ModelJob, ModelWorker, open_model_worker
 from triollm.errors import EngineClosedError, EngineDeadError, RequestFailedError
-from triollm.lora.request import LoRARequest
-from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
-from triollm.pooling_params import PoolingParams
-from triollm.sampling_params import SamplingParams
-from triollm.step import LoRAModelRunner, RunnerOutput, SchedulerOutput, fill_pending_tokens
+from triollm.outputs import EngineOutput, RequestOutput
+from triollm.step import RunnerOutput, SchedulerOutput, fill_pending_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from triollm.config import EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+    from triollm.config import EngineConfig
     from triollm.engine.args import AsyncEngineArgs
     from triollm.step import ModelRunner
 
@@ -72,20 +69,7 @@ def _raise_unwrapped(group: BaseExceptionGroup[BaseException]) -> NoReturn:
     raise error from error.__cause__
 
 
-def _shown_prompt(prompt: PromptType, max_log_len: int | None) -> object:
-    """A prompt as request logs show it: its text and token ids cut to ``max_log_len``."""
-    if max_log_len is None:
-        return prompt
-    if isinstance(prompt, str | list):
-        return prompt[:max_log_len]
-    if isinstance(prompt, Mapping):
-        return {key: value[:max_log_len] if key in ("prompt", "prompt_token_ids")
-                and isinstance(value, str | list) else value
-                for key, value in prompt.items()}
-    return prompt
-
-
-class AsyncLLMEngine:
+class AsyncLLMEngine(AsyncEngineRequests):
     """vLLM's ``AsyncLLMEngine`` API on anyio (trio or asyncio).
 
     ::
@@ -144,20 +128,9 @@ class AsyncLLMEngine:
         """Validate the arguments and load the tokenizer; the model loads in ``run``.
         ``stat_loggers`` takes vLLM's forms: a list of loggers or of factories called
         as ``factory(config, 0)``, or a dict of loggers by name."""
-        from triollm.model.loader import load_tokenizer
-
         config = engine_args.create_engine_config()
-        tokenizer = load_tokenizer(config.model.tokenizer,
-                                   trust_remote_code=config.model.trust_remote_code,
-                                   revision=config.model.tokenizer_revision,
-                                   download_dir=config.model.download_dir)
-        if runner_factory is None:
-            def runner_factory() -> ModelRunner:
-                from triollm.model.runners import create_runner
-
-                return create_runner(config)
-
-        return cls(config, tokenizer, runner_factory,
+        return cls(config, load_engine_tokenizer(config),
+                   runner_factory or partial(create_model_runner, config),
                    log_requests=(getattr(engine_args, "enable_log_requests", False)
                                  and not getattr(engine_args, "disable_log_requests", False)),
                    max_log_len=getattr(engine_args, "max_log_len", None),
@@ -215,12 +188,11 @@ class AsyncLLMEngine:
             heap_frozen = False
             try:
                 runner = await worker.run_sync(self._runner_factory)
-                self._core = EngineCore(self.config, runner, self.tokenizer)
-                endpoint = self.config.observability.otlp_traces_endpoint
-                if endpoint is not None:
-                    self._tracer = RequestTracer(endpoint)
+                parts = assemble_core(self.config, runner, self.tokenizer,
+                                      collect_stats=bool(self._stat_loggers))
+                self._core, self._tracer = parts.core, parts.tracer
+                if self._tracer is not None:
                     self._stat_loggers.append(self._tracer)
-                self._core.collect_stats = bool(self._stat_loggers)
                 # As vLLM does after start-up: the model, tokenizer and imports are
                 # long-lived, so keep the cyclic GC from re-scanning them on every
                 # oldest-generation collection (those pauses grow with the heap).
@@ -320,317 +292,11 @@ class AsyncLLMEngine:
             self._work_available = anyio.Event()
             await self._work_available.wait()
 
-    def _record_stats(self) -> None:
-        if self._stat_loggers and self._core is not None:
-            stats = self._core.take_stats()
-            for stat_logger in list(self._stat_loggers):
-                try:
-                    stat_logger.record(stats)
-                except Exception:
-                    # A broken logger costs its own metrics, never the engine.
-                    logger.exception("stat logger %r failed; it gets no more stats",
-                                     stat_logger)
-                    self._stat_loggers.remove(stat_logger)
-
-    def _wake(self) -> None:
-        if self._work_available is not None:
-            self._work_available.set()
-
     def _deliver(self, output: EngineOutput) -> None:
         if self._channels.deliver(output) and self.log_requests:
             reasons = ([c.finish_reason for c in output.outputs]
                        if isinstance(output, RequestOutput) else ["pooled"])
             logger.info("Finished request %s (%s).", output.request_id, reasons)
-
-    # -- requests ------------------------------------------------------------------
-
-    async def generate(
-        self,
-        prompt: PromptType,
-        sampling_params: SamplingParams | None,
-        request_id: str,
-        *,
-        priority: int = 0,
-        lora_request: LoRARequest | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        is_latency_sensitive: bool = False,
-        slo: float | None = None,
-        ttft_slo: float | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the outputs of one request.
-
-        The stream ends after the output with ``finished=True``. Leaving the loop early
-        (break, cancellation) aborts the request; close the generator promptly with
-        ``contextlib.aclosing`` when breaking out. Raises ``ValueError`` for bad input,
-        ``EngineDeadError`` if the engine died and ``EngineClosedError`` if it shut down.
-        ``priority`` (lower first) needs ``scheduling_policy="priority"``.
-        ``is_latency_sensitive``, ``slo`` (target seconds per output token) and
-        ``ttft_slo`` (target seconds to the first token) mark a request for SLO-aware
-        co-serving under ``scheduling_policy="slo"``; whether it met them is in the final
-        output's ``metrics.slo_attained``. ``sampling_params=None`` takes
-        ``get_default_sampling_params()``. ``lora_request`` runs the request through a
-        LoRA adapter (``enable_lora``), loaded on first use.
-        """
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        trace_headers = self._trace_headers(trace_headers)
-        if lora_request is not None:
-            await self._ensure_lora(lora_request)
-        channel = self._add_request(prompt, sampling_params, request_id, priority,
-                                    is_latency_sensitive, slo, ttft_slo, lora_request,
-                                    trace_headers)
-        async with aclosing(self._stream(channel)) as stream:
-            async for output in stream:
-                assert isinstance(output, RequestOutput)
-                yield output
-
-    async def encode(
-        self,
-        prompt: PromptType,
-        pooling_params: PoolingParams | None,
-        request_id: str,
-        lora_request: LoRARequest | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        priority: int = 0,
-        *,
-        is_latency_sensitive: bool = False,
-    ) -> AsyncGenerator[PoolingRequestOutput[PoolingOutput], None]:
-        """Pool one prompt with a pooling model (``runner="pooling"``): yields one
-        finished ``PoolingRequestOutput`` whose ``outputs.data`` is a 1-D float32
-        tensor (an embedding, or a classifier's label scores). Leaving early aborts the
-        request; an aborted request's stream ends without an output. Raises
-        ``ValueError`` for bad input or a generation model (and for a ``lora_request``:
-        LoRA adapters are served over generation models)."""
-        trace_headers = self._trace_headers(trace_headers)
-        channel = self._add_request(prompt, pooling_params or PoolingParams(), request_id,
-                                    priority, is_latency_sensitive, lora_request=lora_request,
-                                    trace_headers=trace_headers)
-        async with aclosing(self._stream(channel)) as stream:
-            async for output in stream:
-                assert isinstance(output, PoolingRequestOutput)
-                yield output
-
-    def _trace_headers(self, trace_headers: Mapping[str, str] | None
-                       ) -> Mapping[str, str] | None:
-        """The headers to parent the request's span with; None without tracing."""
-        if trace_headers is None:
-            return None
-        if not isinstance(trace_headers, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in trace_headers.items()):
-            raise ValueError("trace_headers: must be a mapping of header names to strings")
-        if self.config.observability.otlp_traces_endpoint is None:
-            if trace_headers and not self._warned_tracing:
-                # as vLLM when no OTLP endpoint is set: said once, the request goes on
-                self._warned_tracing = True
-                logger.warning("Received a request with trace context but tracing is "
-                               "disabled (start the engine with otlp_traces_endpoint, "
-                               "--otlp-traces-endpoint, to export spans)")
-            return None
-        return {name.lower(): value for name, value in trace_headers.items()}
-
-    async def _stream(self, channel: RequestChannel) -> AsyncGenerator[EngineOutput, None]:
-        """The outputs of one request; closing it before the end aborts the request
-        (callers close it at once with ``aclosing``)."""
-        finished = False
-        try:
-            while True:
-                try:
-                    output = await channel.get()
-                except StopAsyncIteration:
-                    finished = True
-                    return
-                finished = output.finished
-                yield output
-                if finished:
-                    return
-        finally:
-            channel.receive.close()
-            if not finished:
-                self._abort_now(channel)
-
-    def _add_request(self, prompt: PromptType, params: SamplingParams | PoolingParams,
-                     request_id: str,
-                     priority: int, is_latency_sensitive: bool = False,
-                     slo: float | None = None,
-                     ttft_slo: float | None = None,
-                     lora_request: LoRARequest | None = None,
-                     trace_headers: Mapping[str, str] | None = None) -> RequestChannel:
-        self._raise_if_dead()
-        core = self._core
-        if not self._running or core is None:
-            raise EngineClosedError("the engine is not running: use `async with engine` or "
-                                    "`await task_group.start(engine.run)`")
-        if request_id in self._channels:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
-        engine_id = core.add_request(request_id, prompt, params, priority=priority,
-                                     is_latency_sensitive=is_latency_sensitive, slo=slo,
-                                     ttft_slo=ttft_slo, lora_request=lora_request,
-                                     trace_headers=trace_headers)
-        channel = self._channels.open(request_id, params.output_kind, engine_id)
-        if self.log_requests:
-            self._log_request(request_id, prompt, params)
-        self._wake()
-        return channel
-
-    def _log_request(self, request_id: str, prompt: PromptType,
-                     params: SamplingParams | PoolingParams) -> None:
-        logger.info("Received request %s: prompt: %r, params: %s.", request_id,
-                    _shown_prompt(prompt, self.max_log_len), params)
-
-    def _abort_now(self, channel: RequestChannel) -> None:
-        """Abort the request behind ``channel`` (by its engine id: a request that reuses
-        the caller's id since is not touched) and end its stream."""
-        core = self._core
-        outputs: list[EngineOutput] = []
-        if core is not None:
-            outputs.extend(core.abort_engine_requests([channel.engine_id]))
-        self._channels.close(channel, outputs)
-        if outputs:
-            self._record_stats()
-            if self.log_requests:
-                logger.info("Aborted request %s.", channel.request_id)
-
-    async def abort(self, request_id: str | Iterable[str]) -> None:
-        """Abort one request or several: each stream ends with a final output whose
-        finish_reason is ``"abort"``. Finished or unknown ids are ignored."""
-        self._raise_if_dead()
-        for one_id in [request_id] if isinstance(request_id, str) else request_id:
-            channel = self._channels.get(one_id)
-            if channel is not None:
-                self._abort_now(channel)
-        await anyio.lowlevel.checkpoint()
-
-    # -- health and introspection ----------------------------------------------------
-
-    @property
-    def is_running(self) -> bool:
-        return self._running
-
-    @property
-    def errored(self) -> bool:
-        return self._dead_error is not None
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead_error
-
-    def _raise_if_dead(self) -> None:
-        if self._dead_error is not None:
-            raise EngineDeadError(str(self._dead_error)) from self._dead_error.__cause__
-
-    async def check_health(self) -> None:
-        """Raise ``EngineDeadError`` if a step failed, ``EngineClosedError`` if the
-        engine is not running."""
-        self._raise_if_dead()
-        if not self._running:
-            raise EngineClosedError("the engine is not running")
-        await anyio.lowlevel.checkpoint()
-
-    def statistics(self) -> EngineStatistics:
-        core = self._core
-        if core is None:
-            return EngineStatistics(0, 0, 0, 0, len(self._channels), 0, self._num_steps)
-        stats = core.statistics()
-        return EngineStatistics(
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_free_blocks=stats.num_free_blocks,
-            num_total_blocks=stats.num_total_blocks,
-            num_open_streams=len(self._channels),
-            num_preemptions=stats.num_preemptions,
-            num_steps=self._num_steps,
-            prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits,
-        )
-
-    async def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (only while no request holds KV blocks; returns
-        whether it did)."""
-        await anyio.lowlevel.checkpoint()
-        return self._core.reset_prefix_cache() if self._core is not None else False
-
-    @property
-    def worker_thread_id(self) -> int | None:
-        return self._worker.thread_id if self._worker is not None else None
-
-    async def get_model_config(self) -> ModelConfig:
-        return self.config.model
-
-    async def get_scheduler_config(self) -> SchedulerConfig:
-        return self.config.scheduler
-
-    async def get_tokenizer(self, lora_request: object = None) -> PreTrainedTokenizerBase:
-        return self.tokenizer
-
-    async def get_decoding_config(self) -> DecodingConfig:
-        """vLLM's structured-output settings: this engine has no guided decoding."""
-        return DecodingConfig()
-
-    async def get_parallel_config(self) -> ParallelConfig:
-        """One model on one device in one process."""
-        return ParallelConfig()
-
-    async def get_lora_config(self) -> LoRAConfig | None:
-        """The LoRA settings; None without ``enable_lora``, as vLLM answers."""
-        return self.config.lora
-
-    # -- LoRA adapters -------------------------------------------------------------
-
-    async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter now, in the model thread. Raises ``ValueError`` naming what
-        does not fit (LoRA not enabled, a rank above ``max_lora_rank``, modules the
-        model lacks, an id already used by another adapter). False if it was added
-        already (``load_inplace=True`` reads it again)."""
-        core, worker, runner = self._lora_parts()
-        if not core.lora_to_load(lora_request):
-            return False
-        await worker.run_sync(runner.add_lora, lora_request)
-        core.register_lora(lora_request)
-        return True
-
-    async def remove_lora(self, lora_id: int) -> bool:
-        """Forget an adapter; requests already running with it finish with it. False if
-        it was not added."""
-        core, worker, runner = self._lora_parts()
-        removed = core.forget_lora(lora_id)
-        await worker.run_sync(runner.remove_lora, lora_id)
-        return removed
-
-    async def list_loras(self) -> set[int]:
-        """The ids of the adapters added (and not removed)."""
-        core, _, _ = self._lora_parts()
-        await anyio.lowlevel.checkpoint()
-        return core.list_loras()
-
-    async def _ensure_lora(self, lora_request: LoRARequest) -> None:
-        core, _, _ = self._lora_parts()
-        if not core.has_lora(lora_request):
-            await self.add_lora(lora_request)
-
-    def _lora_parts(self) -> tuple[EngineCore, ModelWorker, LoRAModelRunner]:
-        self._raise_if_dead()
-        core, worker = self._core, self._worker
-        if not self._running or core is None or worker is None:
-            raise EngineClosedError("the engine is not running")
-        return core, worker, core.lora_runner()
-
-    async def is_tracing_enabled(self) -> bool:
-        """Whether finished requests' spans are exported (``otlp_traces_endpoint``)."""
-        await anyio.lowlevel.checkpoint()
-        return self.config.observability.otlp_traces_endpoint is not None
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's sampling defaults with the model's generation config on top (what the
-        server applies to fields a request leaves out)."""
-        return SamplingParams(**self.config.model.generation_defaults)
-
-    async def do_log_stats(self, *args: object, **kwargs: object) -> None:
-        """Log vLLM's statistics line (throughput since the last line, requests running
-        and waiting, KV-cache usage); nothing unless the engine logs stats
-        (``disable_log_stats`` not set)."""
-        if self._stats_line is not None:
-            self._stats_line.log(self.statistics())
-        await anyio.lowlevel.checkpoint()
 
     def __repr__(self) -> str:
         state = "dead" if self.errored else "running" if self._running else "stopped"
