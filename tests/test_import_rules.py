@@ -90,8 +90,8 @@ EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
     "triollm.step", "triollm.config", "triollm.errors", "triollm.sampling_params",
     "triollm.outputs", "triollm.engine.request", "triollm.engine.scheduler",
     "triollm.engine.block_manager", "triollm.engine.step_time", "triollm.engine.detokenizer",
-    "triollm.engine.inputs", "triollm.engine.chat", "triollm.engine.output_processor",
-    "triollm.engine.stats", "triollm.pooling_params", "triollm.engine.scoring",
+    "triollm.engine.inputs", "triollm.entrypoints.chat_utils", "triollm.engine.output_processor",
+    "triollm.engine.stats", "triollm.pooling_params", "triollm.entrypoints.score_utils",
     "triollm.lora.request",
 ])
 def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
