@@ -92,7 +92,7 @@ EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
     "triollm.engine.block_manager", "triollm.engine.step_time", "triollm.engine.detokenizer",
     "triollm.engine.inputs", "triollm.entrypoints.chat_utils", "triollm.engine.output_processor",
     "triollm.engine.stats", "triollm.pooling_params", "triollm.entrypoints.score_utils",
-    "triollm.lora.request",
+    "triollm.lora.request", "triollm.request_ids",
 ])
 def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
     assert forbidden(module, ("torch", "transformers", *EVENT_LOOPS)) == []
