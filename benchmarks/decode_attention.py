@@ -26,8 +26,6 @@ import functools
 import torch
 
 from common import timed
-from triollm.model.cpu import decode as cpu_decode
-from triollm.model.runners import torch_runner
 from triollm.model.attention.paged import (
     DecodeGroup,
     KVCacheSpec,
@@ -36,6 +34,8 @@ from triollm.model.attention.paged import (
     compiled_paged_decode_attention,
     paged_attention_forward,
 )
+from triollm.model.cpu import decode as cpu_decode
+from triollm.model.runners import torch_runner
 
 HEADS, DIM, BLOCK = 12, 64, 16
 

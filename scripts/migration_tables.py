@@ -147,7 +147,7 @@ POOLING_FIELD_NOTES = {
 
 
 def pooling_field_table() -> str:
-    from triollm.server.pooling_protocol import (
+    from triollm.server.protocol import (
         ClassificationRequest,
         PoolingRequest,
         RerankRequest,

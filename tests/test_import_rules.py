@@ -97,10 +97,11 @@ EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
     "triollm.step", "triollm.config", "triollm.errors", "triollm.sampling_params",
     "triollm.outputs", "triollm.engine.request", "triollm.engine.scheduler",
     "triollm.engine.block_manager", "triollm.engine.step_time", "triollm.engine.detokenizer",
-    "triollm.engine.inputs", "triollm.engine.chat", "triollm.engine.output_processor",
-    "triollm.engine.stats", "triollm.pooling_params", "triollm.engine.scoring",
-    "triollm.lora.request", "triollm.engine.request_registry", "triollm.engine.lora_registry",
-    "triollm.engine.stats_collector", "triollm.engine.intake", "triollm.engine.step_budget",
+    "triollm.engine.inputs", "triollm.entrypoints.chat_utils", "triollm.engine.output_processor",
+    "triollm.engine.stats", "triollm.pooling_params", "triollm.entrypoints.score_utils",
+    "triollm.lora.request", "triollm.request_ids", "triollm.engine.request_registry",
+    "triollm.engine.lora_registry", "triollm.engine.stats_collector", "triollm.engine.intake",
+    "triollm.engine.step_budget",
 ])
 def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
     assert forbidden(module, ("torch", "transformers", *EVENT_LOOPS)) == []
@@ -109,7 +110,7 @@ def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) ->
 @pytest.mark.parametrize("module", [
     *modules_under("triollm.model"), "triollm.engine.core", "triollm.engine.args",
     "triollm.engine.resolve", "triollm.engine.assembly", "triollm.llm",
-    "triollm.server.protocol",
+    *modules_under("triollm.server.protocol"),
 ])
 def test_model_and_sync_engine_code_never_import_an_event_loop(module: str) -> None:
     assert forbidden(module, EVENT_LOOPS) == []

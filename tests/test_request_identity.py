@@ -6,7 +6,8 @@ same id reused while a request with it is in flight (refused) and after it ended
 consumer left (served), ``n`` up to 3, sample and prompt logprobs, and a KV cache so
 small that requests are preempted and recomputed. Every answer must be exactly its own
 request's, prompt logprobs must cover each prompt position once, and nothing may be
-left behind.
+left behind. The server's engine ids (``triollm.request_ids``) stay distinct whatever ids
+clients choose.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hypothesis import example, given, settings, target
 from hypothesis import strategies as st
 
 from triollm import AsyncEngineArgs, AsyncLLMEngine, RequestOutput, SamplingParams
+from triollm.request_ids import engine_request_id
 from triollm.testing import FakeModelRunner, fake_completion, fake_logprob
 
 VOCAB = 900
@@ -164,3 +166,12 @@ def test_no_client_id_reaches_another_request(backend: str) -> None:
     # The examples did exercise what they are about.
     assert ran["examples"] >= 100
     assert ran["preemptions"] > 0 and ran["refused"] > 0 and ran["served after a reuse"] > 0
+
+
+@given(st.lists(st.sampled_from([*IDS, "a-0-1", "", "-", "a-"]), min_size=2, max_size=40))
+def test_engine_ids_never_repeat_whatever_ids_clients_choose(client_ids: list[str]) -> None:
+    """Clients may send ids that look like the engine's own (``a`` and ``a-0``); the
+    engine ids made of them are still all distinct."""
+    engine_ids = [engine_request_id(request_id) for request_id in client_ids]
+    assert len(set(engine_ids)) == len(engine_ids)
+    assert all(e.startswith(f"{c}-") for c, e in zip(client_ids, engine_ids, strict=True))

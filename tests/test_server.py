@@ -694,6 +694,31 @@ async def test_new_requests_get_503_while_the_server_shuts_down() -> None:
         assert (await http.get("/health")).status_code == 200  # the engine still runs
 
 
+@pytest.mark.anyio
+async def test_a_stream_the_engine_refuses_is_an_error_reply_not_a_broken_stream() -> None:
+    """A streamed request whose prompt the engine refuses (a token outside the
+    vocabulary) gets the same 400 as an unstreamed one, before any event, and leaves
+    nothing open in the engine."""
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(disable_log_requests=True),
+                                             runner_factory=FakeModelRunner)
+    state = ServerState(engine=engine, settings=ServerSettings(served_model_names=("demo",)),
+                        metrics=PrometheusStatLogger(engine, "demo"))
+    transport = httpx.ASGITransport(app=build_app(state))
+    refused = [10**9]
+    async with engine, httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        for path, body in (("/v1/completions", {"model": "demo", "prompt": [[5, 6], refused]}),
+                           ("/v1/completions", {"model": "demo", "prompt": refused}),
+                           ("/v1/chat/completions", {"model": "demo", "messages": [
+                               {"role": "user", "content": "hi"}], "logit_bias": {
+                               str(10**9): 1}})):
+            for stream in (False, True):
+                response = await http.post(path, json={**body, "stream": stream})
+                assert response.status_code == 400, (path, stream, response.text)
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        stats = engine.statistics()
+        assert (stats.num_running, stats.num_waiting, stats.num_open_streams) == (0, 0, 0)
+
+
 # -- browsers ----------------------------------------------------------------------------
 
 def test_cors_by_default_any_origin_even_on_errors(server: ThreadedServer,

@@ -18,7 +18,7 @@ import pytest
 
 from server_helpers import ThreadedServer, server_in_thread
 from triollm import LLM, AsyncEngineArgs, AsyncLLMEngine
-from triollm.engine.chat import detect_content_format, render_chat
+from triollm.entrypoints.chat_utils import detect_content_format, render_chat
 
 KEYS = ("key-one", "key-two")
 #: A template that loops over content parts and reads a variable of
@@ -441,7 +441,7 @@ def test_requests_are_logged_only_when_asked(llama_path: Path) -> None:
 
 
 def test_content_in_each_format_as_vllm_puts_it() -> None:
-    from triollm.engine.chat import normalize_messages
+    from triollm.entrypoints.chat_utils import normalize_messages
 
     messages = [{"role": "user", "content": "plain"}, {"role": "user", "content": PARTS},
                 {"role": "assistant", "content": None}, {"role": "tool", "content": PARTS}]

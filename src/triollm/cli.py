@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from triollm.engine.args import AsyncEngineArgs, EngineArgs
-from triollm.engine.chat import CONTENT_FORMATS
+from triollm.entrypoints.chat_utils import CONTENT_FORMATS
 from triollm.refused_flags import add_refused_flags
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 

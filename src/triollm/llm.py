@@ -14,9 +14,9 @@ from tqdm.auto import tqdm
 from triollm.config import DEMO_MODEL_NAME
 from triollm.engine.args import EngineArgs
 from triollm.engine.assembly import assemble_core, create_model_runner, load_engine_tokenizer
-from triollm.engine.chat import ContentFormat, render_chat
 from triollm.engine.inputs import PromptType, TokensPrompt
-from triollm.engine.scoring import plan_scoring, score_pairs
+from triollm.entrypoints.chat_utils import ContentFormat, render_chat
+from triollm.entrypoints.score_utils import plan_scoring, score_pairs
 from triollm.errors import RequestFailedError
 from triollm.lora.request import LoRARequest
 from triollm.outputs import (

@@ -15,7 +15,6 @@ request's samples, and an abort by engine id reaches only its own request.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from triollm.engine.stats_collector import StatsCollector
 from triollm.lora.request import LoRARequest
 from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from triollm.pooling_params import PoolingParams
+from triollm.request_ids import engine_request_id
 from triollm.sampling_params import SamplingParams
 from triollm.step import ModelRunner, RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -74,7 +74,6 @@ class EngineCore:
         self.max_logprobs = self.intake.max_logprobs
         self.eos_token_ids = self.output_processor.eos_token_ids
         self.requests = RequestRegistry()
-        self._sequence_numbers = itertools.count()
         self._failures: list[RequestFailure] = []
         self.stats = StatsCollector(config.model.served_model_name,
                                     config.observability.collect_detailed_traces)
@@ -151,7 +150,7 @@ class EngineCore:
                                  f"loaded; add_lora() it first")
             lora = self.loras.lookup(lora_request)
         parent = self.intake.build(
-            request_id, lambda: self._new_engine_id(request_id), prompt, params,
+            request_id, lambda: engine_request_id(request_id), prompt, params,
             arrival_time=arrival_time, priority=priority,
             is_latency_sensitive=is_latency_sensitive, slo=slo, ttft_slo=ttft_slo,
             lora=lora, trace_headers=trace_headers)
@@ -159,9 +158,6 @@ class EngineCore:
         for child in parent.children:
             self.scheduler.add_request(child)
         return parent.engine_id
-
-    def _new_engine_id(self, request_id: str) -> str:
-        return f"{request_id}-{next(self._sequence_numbers)}"
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort requests by the callers' ids now; unknown or finished ids are ignored.

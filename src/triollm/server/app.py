@@ -10,8 +10,9 @@
                               (embeddings, /pooling, /classify, /score, /rerank),
                               LoRA adapters (/v1/load_lora_adapter, when allowed)
 
-Each route reads the shared ``ServerState`` (state.py) from the app; requests reach
-the engine through generation.py, streams go out through streaming.py, and fields
+Each route reads the shared ``ServerState`` (state.py) from the app and turns the body,
+once, into a ``GenerationRequest`` (request.py); ``respond`` (streaming.py) answers it,
+the engine streams owned by one ``async with open_streams`` (generation.py), and fields
 are formatted by formatting.py.
 """
 

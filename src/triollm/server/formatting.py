@@ -20,6 +20,7 @@ from triollm.server.protocol import (
 from triollm.server.protocol import (
     PromptLogprobs as PromptLogprobsField,
 )
+from triollm.server.request import ReplyOptions
 
 __all__ = ["chat_logprobs", "completion_logprobs", "json_logprob", "prompt_logprobs",
            "token_text", "usage", "usage_info", "usage_options"]
@@ -86,10 +87,10 @@ def completion_logprobs(completion: CompletionOutput, start_offset: int,
     return result
 
 
-def prompt_logprobs(body: CompletionRequest | ChatCompletionRequest,
-                    output: RequestOutput) -> PromptLogprobsField | None:
+def prompt_logprobs(reply: ReplyOptions, output: RequestOutput
+                    ) -> PromptLogprobsField | None:
     """vLLM's ``prompt_logprobs`` field, when the request asked for it."""
-    if body.prompt_logprobs is None:
+    if not reply.prompt_logprobs:
         return None
     return [None if position is None else {
         token: PromptTokenLogprob(logprob=json_logprob(lp.logprob), rank=lp.rank,

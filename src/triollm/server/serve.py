@@ -41,7 +41,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from triollm.engine.async_engine import AsyncLLMEngine
-from triollm.engine.chat import ContentFormat
+from triollm.entrypoints.chat_utils import ContentFormat
 from triollm.server.app import build_app
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES

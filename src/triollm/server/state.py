@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio
 from fastapi import Request
 
-from triollm.engine.chat import ContentFormat, render_chat
+from triollm.entrypoints.chat_utils import ContentFormat, render_chat
 from triollm.lora.request import LoRARequest
 from triollm.server.errors import OpenAIError, bad_request
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES

@@ -1,56 +1,71 @@
-"""Streaming responses: OpenAI's server-sent events and the seed's NUL-delimited
-``/generate`` stream.
+"""Responses to a generation request: OpenAI's server-sent events, the seed's
+NUL-delimited ``/generate`` stream, or one reply.
 
-A stream's producers read engine outputs and ``emit`` events; ``run_stream`` turns a
-request that fails, or an engine that dies or shuts down, under them into a final error
-event, and always closes the engine streams (aborting what is unfinished).
+A streamed response owns its engine streams from its own body: it enters
+``open_streams`` before it sends anything (bad input still gets a 400) and leaves it
+when the last event is out or the client is gone, which aborts what is unfinished. Its
+writer reads engine outputs and ``emit``s events; ``run_stream`` turns a request that
+fails, or an engine that dies or shuts down, under them into a final error event.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from contextlib import aclosing
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi.responses import Response
 
-from triollm.engine.inputs import PromptType
 from triollm.errors import EngineError
 from triollm.outputs import RequestOutput
-from triollm.sampling_params import SamplingParams
 from triollm.server.errors import stream_error_event
-from triollm.server.generation import (
-    EngineStream,
-    Submitted,
-    close_all,
-    final_outputs,
-    reply,
-    submit,
-)
+from triollm.server.generation import Submitted, final_outputs, open_streams, reply
 from triollm.server.middleware import Receive, Scope, Send
-from triollm.server.protocol import ChatCompletionRequest, CompletionRequest
-from triollm.server.state import ServerState
+from triollm.server.request import GenerationRequest
 
-__all__ = ["Emit", "EventStream", "NullDelimitedStream", "StreamWriter", "respond",
-           "run_stream"]
+if TYPE_CHECKING:
+    from triollm.engine.async_engine import AsyncLLMEngine
+
+__all__ = ["BuildReply", "Emit", "EventStream", "NullDelimitedStream", "WriteEvents",
+           "respond", "run_stream"]
 
 #: Sends one ``data:`` event: a JSON object, or a string as is (``[DONE]``).
 Emit = Callable[[dict[str, Any] | str], Awaitable[None]]
-StreamWriter = Callable[[Emit], Awaitable[None]]
+#: Writes a stream's events from its prompts' outputs.
+WriteEvents = Callable[[GenerationRequest, list[Submitted], Emit], Awaitable[None]]
+#: Builds the reply of a request that is not streamed, from each prompt's last output.
+BuildReply = Callable[[GenerationRequest, list[RequestOutput]], Response]
 
 
-class EventStream(Response):
-    """A server-sent-events response written by ``writer(emit)``."""
+class _OwnedStream(Response):
+    """A streamed response whose body owns the request's engine streams."""
 
-    media_type = "text/event-stream"
-
-    def __init__(self, writer: StreamWriter) -> None:
-        super().__init__(status_code=200, media_type=self.media_type)
-        self.writer = writer
+    def __init__(self, engine: AsyncLLMEngine, request: GenerationRequest,
+                 media_type: str) -> None:
+        super().__init__(status_code=200, media_type=media_type)
+        self.engine = engine
+        self.request = request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Refused before anything is sent, the request's OpenAIError is answered by the
+        # app's error handlers, as a route's is (they wrap the response's call too).
+        async with open_streams(self.engine, self.request) as submitted:
+            await self.write(submitted, send)
+
+    async def write(self, submitted: list[Submitted], send: Send) -> None:
+        raise NotImplementedError
+
+
+class EventStream(_OwnedStream):
+    """A server-sent-events response written by ``events``."""
+
+    def __init__(self, engine: AsyncLLMEngine, request: GenerationRequest,
+                 events: WriteEvents) -> None:
+        super().__init__(engine, request, "text/event-stream")
+        self.events = events
+
+    async def write(self, submitted: list[Submitted], send: Send) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"cache-control", b"no-cache")]})
@@ -64,76 +79,61 @@ class EventStream(Response):
                 await send({"type": "http.response.body",
                             "body": f"data: {text}\n\n".encode(), "more_body": True})
 
-        await self.writer(emit)
+        await self.events(self.request, submitted, emit)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def run_stream(opened: list[EngineStream], emit: Emit,
-                     producers: list[Callable[[], Coroutine[Any, Any, None]]]) -> None:
-    """Run the producers; an engine failure becomes a final error event. Always closes
-    the engine streams (aborting what is unfinished)."""
+async def run_stream(emit: Emit, producers: list[Callable[[], Coroutine[Any, Any, None]]]
+                     ) -> None:
+    """Run the producers; an engine failure becomes a final error event."""
     try:
-        try:
-            async with anyio.create_task_group() as tasks:
-                for producer in producers:
-                    tasks.start_soon(producer)
-        except BaseExceptionGroup as group:
-            failures = [e for e in group.exceptions
-                        if isinstance(e, EngineError)]
-            if not failures or len(failures) != len(group.exceptions):
-                raise
-            await emit(stream_error_event(failures[0]))
-        except EngineError as error:
-            await emit(stream_error_event(error))
-    finally:
-        await close_all(opened)
+        async with anyio.create_task_group() as tasks:
+            for producer in producers:
+                tasks.start_soon(producer)
+    except BaseExceptionGroup as group:
+        failures = [e for e in group.exceptions if isinstance(e, EngineError)]
+        if not failures or len(failures) != len(group.exceptions):
+            raise
+        await emit(stream_error_event(failures[0]))
+    except EngineError as error:
+        await emit(stream_error_event(error))
 
 
-class NullDelimitedStream(Response):
+class NullDelimitedStream(_OwnedStream):
     """The seed's streaming /generate: cumulative texts as JSON, each followed by NUL.
     An engine that dies or shuts down mid-stream ends it with an ``{"error": ...}``
     chunk in OpenAI's shape."""
 
-    def __init__(self, stream: EngineStream, first: RequestOutput) -> None:
-        super().__init__(status_code=200, media_type="application/json")
-        self.stream, self.first = stream, first
+    def __init__(self, engine: AsyncLLMEngine, request: GenerationRequest) -> None:
+        super().__init__(engine, request, "application/json")
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def write(self, submitted: list[Submitted], send: Send) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json")]})
-        async with aclosing(self.stream):
-            output: RequestOutput | None = self.first
-            while output is not None:
-                prompt = output.prompt or ""
-                chunk = json.dumps({"text": [prompt + c.text for c in output.outputs]})
-                await send({"type": "http.response.body",
-                            "body": chunk.encode() + b"\0", "more_body": True})
-                try:
-                    output = None if output.finished else await anext(self.stream, None)
-                except EngineError as error:
-                    await send({"type": "http.response.body", "more_body": True,
-                                "body": json.dumps(stream_error_event(error)).encode() + b"\0"})
-                    output = None
+        [item] = submitted
+        output: RequestOutput | None = item.first
+        while output is not None:
+            prompt = output.prompt or ""
+            chunk = json.dumps({"text": [prompt + c.text for c in output.outputs]})
+            await send({"type": "http.response.body",
+                        "body": chunk.encode() + b"\0", "more_body": True})
+            try:
+                output = None if output.finished else await anext(item.stream, None)
+            except EngineError as error:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": json.dumps(stream_error_event(error)).encode() + b"\0"})
+                output = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def respond(state: ServerState, prompts: Sequence[PromptType], params: SamplingParams,
-                  request_id: str, body: CompletionRequest | ChatCompletionRequest,
-                  stream: Callable[[list[Submitted], list[EngineStream]], StreamWriter],
-                  build: Callable[[list[RequestOutput]], Response],
-                  trace: Mapping[str, str] | None = None) -> Response:
-    """A generation request's response: every prompt submitted (bad input is a 400 before
-    anything is sent), then either a stream of events written by ``stream`` or, once
-    every prompt has finished, one reply made by ``build``. The engine streams are
-    closed whatever happens (what is unfinished is aborted)."""
-    opened: list[EngineStream] = []
-    try:
-        submitted = await submit(state, prompts, params, request_id, body, opened, trace)
-        if body.stream:
-            return EventStream(stream(submitted, opened))
+async def respond(engine: AsyncLLMEngine, request: GenerationRequest, events: WriteEvents,
+                  build: BuildReply) -> Response:
+    """A generation request's response: a stream of events written by ``events`` (its
+    body owns the engine streams), or, once every prompt has finished, one reply made by
+    ``build``. Either way, bad input is a 400 before anything is sent, and the engine
+    streams are closed whatever happens (what is unfinished is aborted)."""
+    if request.stream:
+        return EventStream(engine, request, events)
+    async with open_streams(engine, request) as submitted:
         finals = await final_outputs(submitted)
-    except BaseException:
-        await close_all(opened)
-        raise
-    await close_all(opened)
-    return await reply(lambda: build(finals), finals)
+    return await reply(lambda: build(request, finals), finals)

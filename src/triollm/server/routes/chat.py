@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from triollm.engine.chat import normalize_messages
+from triollm.entrypoints.chat_utils import normalize_messages
 from triollm.outputs import RequestOutput
 from triollm.server.errors import bad_request
 from triollm.server.formatting import (
@@ -19,13 +19,7 @@ from triollm.server.formatting import (
     usage_info,
     usage_options,
 )
-from triollm.server.generation import (
-    EngineStream,
-    Submitted,
-    outputs,
-    request_id_for,
-    trace_headers,
-)
+from triollm.server.generation import Submitted, outputs
 from triollm.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -36,8 +30,14 @@ from triollm.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from triollm.server.request import (
+    GenerationRequest,
+    ReplyOptions,
+    generation_request,
+    request_id_for,
+)
 from triollm.server.state import ChatRendering, server_state
-from triollm.server.streaming import Emit, StreamWriter, respond, run_stream
+from triollm.server.streaming import Emit, respond, run_stream
 
 __all__ = ["router"]
 
@@ -61,31 +61,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             defaults=state.engine.config.model.generation_defaults)
     except ValueError as error:
         raise bad_request(error) from error
-    request_id = request_id_for(request, body, "chatcmpl")
-    created = int(time.time())
-    as_token_ids = state.tokens_as_ids(body)
-    echoed = _echoed_text(body)
-
-    def build(finals: list[RequestOutput]) -> JSONResponse:
-        [final] = finals
-        choices = [ChatChoice(
-            index=c.index, message=ChatMessageOut(content=echoed + c.text),
-            logprobs=chat_logprobs(c, top, as_token_ids) if body.logprobs else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            token_ids=list(c.token_ids) if body.return_token_ids else None)
-            for c in final.outputs]
-        return JSONResponse(ChatCompletionResponse(
-            id=request_id, created=created, model=model, choices=choices,
-            usage=usage([final]), prompt_logprobs=prompt_logprobs(body, final),
-            prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids
-            else None).model_dump())
-
-    def stream(submitted: list[Submitted], opened: list[EngineStream]) -> StreamWriter:
-        return _stream_writer(body, submitted[0], opened, request_id, created, model, top,
-                              as_token_ids, echoed)
-
-    return await respond(state, [{"prompt_token_ids": token_ids}], params, request_id, body,
-                         stream, build, trace_headers(request))
+    include_usage, continuous_usage = usage_options(body)
+    reply = ReplyOptions(
+        model=model, created=int(time.time()), n=body.n,
+        logprobs=top if body.logprobs else None, echoed_text=_echoed_text(body),
+        prompt_logprobs=body.prompt_logprobs is not None,
+        return_token_ids=body.return_token_ids, tokens_as_ids=state.tokens_as_ids(body),
+        include_usage=include_usage, continuous_usage=continuous_usage)
+    work = generation_request(state, request, body, [{"prompt_token_ids": token_ids}], params,
+                              request_id_for(request, body, "chatcmpl"), reply)
+    return await respond(state.engine, work, _events, _reply)
 
 
 def _echoed_text(body: ChatCompletionRequest) -> str:
@@ -98,47 +83,60 @@ def _echoed_text(body: ChatCompletionRequest) -> str:
     return str(message["content"])
 
 
-def _stream_writer(body: ChatCompletionRequest, item: Submitted, opened: list[EngineStream],
-                   request_id: str, created: int, model: str, top: int, as_token_ids: bool,
-                   echoed: str) -> StreamWriter:
-    include_usage, continuous_usage = usage_options(body)
+def _reply(request: GenerationRequest, finals: list[RequestOutput]) -> JSONResponse:
+    reply = request.reply
+    [final] = finals
+    choices = [ChatChoice(
+        index=c.index, message=ChatMessageOut(content=reply.echoed_text + c.text),
+        logprobs=chat_logprobs(c, reply.logprobs, reply.tokens_as_ids)
+        if reply.logprobs is not None else None,
+        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        token_ids=list(c.token_ids) if reply.return_token_ids else None)
+        for c in final.outputs]
+    return JSONResponse(ChatCompletionResponse(
+        id=request.request_id, created=reply.created, model=reply.model, choices=choices,
+        usage=usage([final]), prompt_logprobs=prompt_logprobs(reply, final),
+        prompt_token_ids=list(final.prompt_token_ids) if reply.return_token_ids
+        else None).model_dump())
+
+
+async def _events(request: GenerationRequest, submitted: list[Submitted], emit: Emit) -> None:
+    reply = request.reply
+    [item] = submitted
     counts = {"prompt": len(item.first.prompt_token_ids), "completion": 0}
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
               prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
-        if usage is None and continuous_usage:
+        if usage is None and reply.continuous_usage:
             usage = usage_info(counts["prompt"], counts["completion"])
-        return ChatCompletionChunk(id=request_id, created=created, model=model,
-                                   choices=choices, usage=usage,
+        return ChatCompletionChunk(id=request.request_id, created=reply.created,
+                                   model=reply.model, choices=choices, usage=usage,
                                    prompt_token_ids=prompt_token_ids
                                    ).model_dump(exclude_none=True)
 
-    async def write(emit: Emit) -> None:
+    async def stream_choices() -> None:
+        await emit(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                        content=""))
+                          for i in range(reply.n)],
+                         prompt_token_ids=list(item.first.prompt_token_ids)
+                         if reply.return_token_ids else None))
+        if reply.echoed_text:
+            await emit(chunk([ChatStreamChoice(index=i,
+                                               delta=DeltaMessage(content=reply.echoed_text))
+                              for i in range(reply.n)]))
+        async for output in outputs(item):
+            for completion in output.outputs:
+                counts["completion"] += len(completion.token_ids)
+                await emit(chunk([ChatStreamChoice(
+                    index=completion.index, delta=DeltaMessage(content=completion.text),
+                    logprobs=chat_logprobs(completion, reply.logprobs, reply.tokens_as_ids)
+                    if reply.logprobs is not None else None,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                    token_ids=list(completion.token_ids) if reply.return_token_ids
+                    else None)]))
 
-        async def stream_choices() -> None:
-            await emit(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                            content=""))
-                              for i in range(body.n)],
-                             prompt_token_ids=list(item.first.prompt_token_ids)
-                             if body.return_token_ids else None))
-            if echoed:
-                await emit(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echoed))
-                                  for i in range(body.n)]))
-            async for output in outputs(item):
-                for completion in output.outputs:
-                    counts["completion"] += len(completion.token_ids)
-                    await emit(chunk([ChatStreamChoice(
-                        index=completion.index, delta=DeltaMessage(content=completion.text),
-                        logprobs=chat_logprobs(completion, top, as_token_ids)
-                        if body.logprobs else None,
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                        token_ids=list(completion.token_ids) if body.return_token_ids
-                        else None)]))
-
-        await run_stream(opened, emit, [stream_choices])
-        if include_usage:
-            await emit(chunk([], usage_info(counts["prompt"], counts["completion"])))
-        await emit("[DONE]")
-
-    return write
+    await run_stream(emit, [stream_choices])
+    if reply.include_usage:
+        await emit(chunk([], usage_info(counts["prompt"], counts["completion"])))
+    await emit("[DONE]")

@@ -3,10 +3,14 @@ parameters in, the texts out, or a NUL-delimited stream of them."""
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from triollm.engine.tracing import trace_headers_from
 from triollm.errors import EngineClosedError
+from triollm.request_ids import engine_request_id, random_request_id
 from triollm.sampling_params import SamplingParams
 from triollm.server.errors import (
     OpenAIError,
@@ -14,16 +18,10 @@ from triollm.server.errors import (
     engine_unavailable,
     remember_request_id,
 )
-from triollm.server.generation import (
-    check_limits,
-    close_all,
-    engine_request_id,
-    first_output,
-    tokenized,
-    trace_headers,
-)
+from triollm.server.generation import open_streams, outputs
 from triollm.server.limits import MAX_N
-from triollm.server.protocol import GenerateRequest, random_id
+from triollm.server.protocol import GenerateRequest
+from triollm.server.request import GenerationRequest, ReplyOptions, check_limits, tokenized
 from triollm.server.state import server_state
 from triollm.server.streaming import NullDelimitedStream
 
@@ -52,18 +50,17 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         raise OpenAIError(400, f"n: at most {MAX_N}, got {params.n}", param="n")
     prompt = tokenized(state, body.prompt, None)
     check_limits(state, prompt, params)
-    request_id = remember_request_id(request, random_id("generate"))
-    stream = state.engine.generate(prompt, params, engine_request_id(request_id),
-                                   trace_headers=trace_headers(request))
-    try:
-        first = await first_output(stream)
-        if body.stream:
-            return NullDelimitedStream(stream, first)
-        final = first
-        async for output in stream:
+    request_id = remember_request_id(request, random_request_id("generate"))
+    work = GenerationRequest(
+        request_id=request_id, engine_ids=(engine_request_id(request_id),), prompts=(prompt,),
+        params=params, stream=body.stream,
+        reply=ReplyOptions(model=state.settings.served_model_names[0],
+                           created=int(time.time())),
+        trace_headers=trace_headers_from(request.headers))
+    if work.stream:
+        return NullDelimitedStream(state.engine, work)
+    async with open_streams(state.engine, work) as [item]:
+        final = item.first
+        async for output in outputs(item):
             final = output
-    except BaseException:
-        await close_all([stream])
-        raise
-    await close_all([stream])
     return JSONResponse({"text": [body.prompt + c.text for c in final.outputs]})

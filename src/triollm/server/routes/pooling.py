@@ -10,7 +10,7 @@ engine stream aborts what has not finished.
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from triollm.engine.inputs import PromptType, TokensPrompt
-from triollm.engine.scoring import plan_scoring, score_pairs
+from triollm.entrypoints.score_utils import plan_scoring, score_pairs
 from triollm.errors import EngineClosedError, EngineError
 from triollm.outputs import PoolingOutput, PoolingRequestOutput
 from triollm.pooling_params import PoolingParams, PoolingTask
@@ -29,20 +29,17 @@ from triollm.server.errors import (
     bad_request,
     engine_unavailable,
 )
-from triollm.server.generation import (
-    engine_request_id,
-    for_each_prompt,
-    request_id_for,
-    trace_headers,
-)
-from triollm.server.pooling_protocol import (
+from triollm.server.generation import for_each_prompt
+from triollm.server.protocol.pooling import (
     ClassificationData,
     ClassificationRequest,
     ClassificationResponse,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
+    InputRequest,
     PoolingData,
+    PoolingFields,
     PoolingRequest,
     PoolingResponse,
     PoolingUsage,
@@ -53,9 +50,8 @@ from triollm.server.pooling_protocol import (
     ScoreData,
     ScoreRequest,
     ScoreResponse,
-    _InputRequest,
-    _PoolingFields,
 )
+from triollm.server.request import EncodeRequest, encode_request, request_id_for
 from triollm.server.state import ChatRendering, ServerState, server_state
 
 __all__ = ["router"]
@@ -68,7 +64,7 @@ Pooled = PoolingRequestOutput[PoolingOutput]
 # -- shared steps -------------------------------------------------------------------------
 
 
-def _checked(state: ServerState, body: _PoolingFields, route: str,
+def _checked(state: ServerState, body: PoolingFields, route: str,
              task: PoolingTask | None) -> str:
     model = state.check_model(body.model)
     state.require_pooling(route, task)
@@ -76,14 +72,14 @@ def _checked(state: ServerState, body: _PoolingFields, route: str,
     return model
 
 
-def _params(body: _PoolingFields, **extra: Any) -> PoolingParams:
+def _params(body: PoolingFields, **extra: Any) -> PoolingParams:
     try:
         return body.pooling_params(**extra)
     except ValueError as error:
         raise bad_request(error) from error
 
 
-def _prompts(state: ServerState, body: _InputRequest) -> list[PromptType]:
+def _prompts(state: ServerState, body: InputRequest) -> list[PromptType]:
     """``input`` (texts or token ids) or ``messages`` (through the chat template)."""
     if body.messages is not None:
         if body.input is not None:
@@ -123,31 +119,26 @@ def _prompts(state: ServerState, body: _InputRequest) -> list[PromptType]:
     return prompts
 
 
-async def _encode_all(state: ServerState, prompts: Sequence[PromptType],
-                      params: PoolingParams, request_id: str, priority: int,
-                      trace: Mapping[str, str] | None) -> list[Pooled]:
+async def _encode_all(state: ServerState, work: EncodeRequest) -> list[Pooled]:
     """Every prompt into the engine at once; their outputs in prompt order."""
-    if state.shutting_down:
-        raise engine_unavailable(EngineClosedError("shutting down"))
-    base = engine_request_id(request_id)
-    results: list[Pooled | None] = [None] * len(prompts)
+    count = len(work.prompts)
+    results: list[Pooled | None] = [None] * count
 
     async def one(index: int) -> None:
-        engine_id = base if len(prompts) == 1 else f"{base}-{index}"
         try:
-            async with aclosing(state.engine.encode(prompts[index], params, engine_id,
-                                                    priority=priority,
-                                                    trace_headers=trace)) as stream:
+            async with aclosing(state.engine.encode(
+                    work.prompts[index], work.params, work.engine_ids[index],
+                    priority=work.priority, trace_headers=work.trace_headers)) as stream:
                 async for output in stream:
                     results[index] = output
         except ValueError as error:
-            raise _for_input(bad_request(error), index, len(prompts)) from error
+            raise _for_input(bad_request(error), index, count) from error
         except EngineError as error:
             raise engine_unavailable(error) from error
         if results[index] is None:
             raise engine_unavailable(EngineClosedError("ended early"))
 
-    await for_each_prompt(len(prompts), one)
+    await for_each_prompt(count, one)
     return [result for result in results if result is not None]
 
 
@@ -182,9 +173,8 @@ async def _vectors(body: EmbeddingRequest, request: Request, route: str,
     model = _checked(state, body, route, task)
     params = _params(body, dimensions=body.dimensions, normalize=body.normalize, task=task)
     request_id = request_id_for(request, body, prefix)
-    return model, request_id, await _encode_all(state, _prompts(state, body), params,
-                                                request_id, body.priority,
-                                                trace_headers(request))
+    work = encode_request(state, request, body, _prompts(state, body), params, request_id)
+    return model, request_id, await _encode_all(state, work)
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingResponse)
@@ -212,8 +202,9 @@ async def classify(body: ClassificationRequest, request: Request) -> JSONRespons
     model = _checked(state, body, "/classify", "classify")
     labels = state.require_pooling("/classify").labels
     request_id = request_id_for(request, body, "classify")
-    outputs = await _encode_all(state, _prompts(state, body), _params(body), request_id,
-                                body.priority, trace_headers(request))
+    outputs = await _encode_all(state, encode_request(state, request, body,
+                                                      _prompts(state, body), _params(body),
+                                                      request_id))
     data = []
     for index, output in enumerate(outputs):
         probs = [float(p) for p in output.outputs.data.tolist()]
@@ -224,8 +215,8 @@ async def classify(body: ClassificationRequest, request: Request) -> JSONRespons
                                                usage=_usage(outputs)).model_dump())
 
 
-async def _scores(state: ServerState, body: _PoolingFields, pairs: list[tuple[str, str]],
-                  request_id: str, trace: Mapping[str, str] | None
+async def _scores(state: ServerState, request: Request, body: PoolingFields,
+                  pairs: list[tuple[str, str]], request_id: str
                   ) -> tuple[list[float], PoolingUsage]:
     """Each pair's score: a cross-encoder reads the pair as one prompt; an embedding
     model compares the two embeddings."""
@@ -237,8 +228,8 @@ async def _scores(state: ServerState, body: _PoolingFields, pairs: list[tuple[st
                             truncate_prompt_tokens=body.truncate_prompt_tokens)
     except ValueError as error:
         raise bad_request(error) from error
-    outputs = await _encode_all(state, plan.prompts, params, request_id, body.priority,
-                                trace)
+    outputs = await _encode_all(state, encode_request(state, request, body, plan.prompts,
+                                                      params, request_id))
     return plan.scores([output.outputs.data for output in outputs]), _usage(outputs)
 
 
@@ -268,7 +259,7 @@ async def score(body: ScoreRequest, request: Request) -> JSONResponse:
     except ValueError as error:
         raise bad_request(error) from error
     request_id = request_id_for(request, body, "score")
-    scores, usage = await _scores(state, body, pairs, request_id, trace_headers(request))
+    scores, usage = await _scores(state, request, body, pairs, request_id)
     data = [ScoreData(index=i, score=value) for i, value in enumerate(scores)]
     return JSONResponse(ScoreResponse(id=request_id, model=model, data=data,
                                       usage=usage).model_dump())
@@ -288,7 +279,7 @@ async def rerank(body: RerankRequest, request: Request) -> JSONResponse:
     except ValueError as error:
         raise bad_request(error) from error
     request_id = request_id_for(request, body, "rerank")
-    scores, usage = await _scores(state, body, pairs, request_id, trace_headers(request))
+    scores, usage = await _scores(state, request, body, pairs, request_id)
     order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
     if body.top_n:  # None or 0: every document, as vLLM does
         order = order[: body.top_n]

@@ -9,77 +9,27 @@ the reply is OpenAI's event sequence (``response.created`` ... ``response.output
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 from triollm.outputs import RequestOutput
+from triollm.request_ids import random_request_id
 from triollm.server.errors import OpenAIError, bad_request, remember_request_id
-from triollm.server.generation import EngineStream, Submitted, outputs, trace_headers
-from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CheckedRequest, random_id
+from triollm.server.generation import Submitted, outputs
+from triollm.server.protocol import ChatCompletionRequest, ResponsesRequest
+from triollm.server.request import GenerationRequest, ReplyOptions, generation_request
 from triollm.server.state import ChatRendering, server_state
-from triollm.server.streaming import Emit, StreamWriter, respond, run_stream
+from triollm.server.streaming import Emit, respond, run_stream
 
-__all__ = ["ResponsesRequest", "router"]
+__all__ = ["router"]
 
 router = APIRouter()
-
-
-class ResponsesRequest(CheckedRequest):
-    """The text subset of ``POST /v1/responses``."""
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    store: bool | None = None
-    previous_response_id: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    text: dict[str, Any] | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    truncation: Literal["disabled"] | None = None
-    parallel_tool_calls: bool | None = None
-
-    def check_supported(self) -> None:
-        if self.store:
-            raise ValueError("store: this server does not store responses")
-        if self.previous_response_id is not None:
-            raise ValueError("previous_response_id: this server does not store responses")
-        if self.tools:
-            raise ValueError("tools: this server has no tool-call parser")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: this server has no tool-call parser")
-        if self.reasoning:
-            raise ValueError("reasoning: this server has no reasoning parser")
-        kind = ((self.text or {}).get("format") or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"text.format: type {kind!r} is not supported (no structured "
-                             f"output); only 'text' is")
-
-    def messages(self) -> list[ChatMessage]:
-        """The input as chat messages (``instructions`` first, as a system message)."""
-        messages = []
-        if self.instructions is not None:
-            messages.append(ChatMessage(role="system", content=self.instructions))
-        if isinstance(self.input, str):
-            messages.append(ChatMessage(role="user", content=self.input))
-            return messages
-        for index, item in enumerate(self.input):
-            kind = item.get("type", "message")
-            if kind != "message" or "role" not in item:
-                raise ValueError(f"input[{index}].type: {kind!r} items are not supported; "
-                                 f"send messages with text content")
-            messages.append(ChatMessage(role=item["role"], content=item.get("content")))
-        return messages
 
 
 @router.post("/v1/responses")
@@ -107,25 +57,42 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
                                       defaults=state.engine.config.model.generation_defaults)
     except ValueError as error:
         raise bad_request(error) from error
-    response_id = remember_request_id(request, random_id("resp"))
-    message_id = random_id("msg")
-    created = int(time.time())
+    response_id = remember_request_id(request, random_request_id("resp"))
+    work = generation_request(state, request, chat, [{"prompt_token_ids": token_ids}],
+                              params, response_id,
+                              ReplyOptions(model=model, created=int(time.time())))
+    shape = _Shape(random_request_id("msg"), body.instructions, body.metadata or {},
+                   body.max_output_tokens)
+    return await respond(state.engine, work, functools.partial(_events, shape),
+                         functools.partial(_reply, shape))
 
-    def response(status: str, text: str, prompt_tokens: int, output_tokens: int,
-                 finish_reason: str | None) -> dict[str, Any]:
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a Responses reply repeats of its request, besides the generation request."""
+
+    message_id: str
+    instructions: str | None
+    metadata: dict[str, str]
+    max_output_tokens: int | None
+
+    def response(self, request: GenerationRequest, status: str, text: str,
+                 prompt_tokens: int, output_tokens: int, finish_reason: str | None
+                 ) -> dict[str, Any]:
         truncated = finish_reason == "length"
         if status == "completed" and truncated:
             status = "incomplete"
         return {
-            "id": response_id, "object": "response", "created_at": created, "model": model,
+            "id": request.request_id, "object": "response",
+            "created_at": request.reply.created, "model": request.reply.model,
             "status": status,
             "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
-            "error": None, "instructions": body.instructions, "metadata": body.metadata or {},
-            "max_output_tokens": body.max_output_tokens,
-            "temperature": params.temperature, "top_p": params.top_p,
+            "error": None, "instructions": self.instructions, "metadata": self.metadata,
+            "max_output_tokens": self.max_output_tokens,
+            "temperature": request.params.temperature, "top_p": request.params.top_p,
             "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
             "text": {"format": {"type": "text"}}, "truncation": "disabled",
-            "output": [] if status == "in_progress" else [message(status, text)],
+            "output": [] if status == "in_progress" else [self.message(status, text)],
             "usage": None if status == "in_progress" else {
                 "input_tokens": prompt_tokens, "output_tokens": output_tokens,
                 "total_tokens": prompt_tokens + output_tokens,
@@ -133,64 +100,61 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
                 "output_tokens_details": {"reasoning_tokens": 0}},
         }
 
-    def message(status: str, text: str | None) -> dict[str, Any]:
-        return {"type": "message", "id": message_id, "role": "assistant", "status": status,
-                "content": [] if text is None else [text_part(text)]}
+    def message(self, status: str, text: str | None) -> dict[str, Any]:
+        return {"type": "message", "id": self.message_id, "role": "assistant",
+                "status": status, "content": [] if text is None else [_text_part(text)]}
 
-    def text_part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def build(finals: list[RequestOutput]) -> JSONResponse:
-        [final] = finals
-        [completion] = final.outputs
-        return JSONResponse(response("completed", completion.text,
-                                     len(final.prompt_token_ids), len(completion.token_ids),
-                                     completion.finish_reason))
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def stream(submitted: list[Submitted], opened: list[EngineStream]) -> StreamWriter:
-        [item] = submitted
-        prompt_tokens = len(item.first.prompt_token_ids)
 
-        async def write(emit: Emit) -> None:
-            sequence = iter(range(1 << 62))
+def _reply(shape: _Shape, request: GenerationRequest, finals: list[RequestOutput]
+           ) -> JSONResponse:
+    [final] = finals
+    [completion] = final.outputs
+    return JSONResponse(shape.response(request, "completed", completion.text,
+                                       len(final.prompt_token_ids), len(completion.token_ids),
+                                       completion.finish_reason))
 
-            async def event(kind: str, **fields: Any) -> None:
-                await emit({"type": kind, "sequence_number": next(sequence), **fields})
 
-            where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+async def _events(shape: _Shape, request: GenerationRequest, submitted: list[Submitted],
+                  emit: Emit) -> None:
+    [item] = submitted
+    prompt_tokens = len(item.first.prompt_token_ids)
+    sequence = iter(range(1 << 62))
 
-            async def deltas() -> None:
-                texts: list[str] = []
-                tokens = 0
-                finish_reason = None
-                await event("response.created",
-                            response=response("in_progress", "", prompt_tokens, 0, None))
-                await event("response.in_progress",
-                            response=response("in_progress", "", prompt_tokens, 0, None))
-                await event("response.output_item.added", output_index=0,
-                            item=message("in_progress", None))
-                await event("response.content_part.added", **where, part=text_part(""))
-                async for output in outputs(item):
-                    [completion] = output.outputs
-                    tokens += len(completion.token_ids)
-                    finish_reason = completion.finish_reason or finish_reason
-                    if completion.text:
-                        texts.append(completion.text)
-                        await event("response.output_text.delta", **where,
-                                    delta=completion.text, logprobs=[])
-                text = "".join(texts)
-                done = response("completed", text, prompt_tokens, tokens, finish_reason)
-                await event("response.output_text.done", **where, text=text, logprobs=[])
-                await event("response.content_part.done", **where, part=text_part(text))
-                await event("response.output_item.done", output_index=0,
-                            item=done["output"][0])
-                # as vLLM: "completed" ends every stream; a reply cut at
-                # max_output_tokens says "incomplete" in its status
-                await event("response.completed", response=done)
+    async def event(kind: str, **fields: Any) -> None:
+        await emit({"type": kind, "sequence_number": next(sequence), **fields})
 
-            await run_stream(opened, emit, [deltas])
+    where = {"item_id": shape.message_id, "output_index": 0, "content_index": 0}
+    started = shape.response(request, "in_progress", "", prompt_tokens, 0, None)
 
-        return write
+    async def deltas() -> None:
+        texts: list[str] = []
+        tokens = 0
+        finish_reason = None
+        await event("response.created", response=started)
+        await event("response.in_progress", response=started)
+        await event("response.output_item.added", output_index=0,
+                    item=shape.message("in_progress", None))
+        await event("response.content_part.added", **where, part=_text_part(""))
+        async for output in outputs(item):
+            [completion] = output.outputs
+            tokens += len(completion.token_ids)
+            finish_reason = completion.finish_reason or finish_reason
+            if completion.text:
+                texts.append(completion.text)
+                await event("response.output_text.delta", **where, delta=completion.text,
+                            logprobs=[])
+        text = "".join(texts)
+        done = shape.response(request, "completed", text, prompt_tokens, tokens,
+                              finish_reason)
+        await event("response.output_text.done", **where, text=text, logprobs=[])
+        await event("response.content_part.done", **where, part=_text_part(text))
+        await event("response.output_item.done", output_index=0, item=done["output"][0])
+        # as vLLM: "completed" ends every stream; a reply cut at max_output_tokens says
+        # "incomplete" in its status
+        await event("response.completed", response=done)
 
-    return await respond(state, [{"prompt_token_ids": token_ids}], params, response_id, chat,
-                         stream, build, trace_headers(request))
+    await run_stream(emit, [deltas])

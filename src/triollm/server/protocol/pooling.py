@@ -11,7 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from triollm.pooling_params import PoolingParams
-from triollm.server.protocol import ChatMessage, CheckedRequest, _ChatTemplateFields, random_id
+from triollm.request_ids import random_request_id
+from triollm.server.protocol.base import ChatMessage, ChatTemplateFields, CheckedRequest
 
 __all__ = [
     "ClassificationData",
@@ -20,7 +21,9 @@ __all__ = [
     "EmbeddingData",
     "EmbeddingRequest",
     "EmbeddingResponse",
+    "InputRequest",
     "PoolingData",
+    "PoolingFields",
     "PoolingRequest",
     "PoolingResponse",
     "PoolingUsage",
@@ -36,7 +39,7 @@ __all__ = [
 PoolingInput = str | list[str] | list[int] | list[list[int]]
 
 
-class _PoolingFields(CheckedRequest):
+class PoolingFields(CheckedRequest):
     """What every pooling request shares."""
 
     model: str | None = None
@@ -56,7 +59,7 @@ class _PoolingFields(CheckedRequest):
                              use_activation=self.use_activation, **extra)
 
 
-class _InputRequest(_PoolingFields, _ChatTemplateFields):
+class InputRequest(PoolingFields, ChatTemplateFields):
     """A request whose prompts are ``input`` (completion style) or ``messages`` (chat
     style, through the chat template)."""
 
@@ -66,7 +69,7 @@ class _InputRequest(_PoolingFields, _ChatTemplateFields):
     add_generation_prompt: bool = False
 
 
-class EmbeddingRequest(_InputRequest):
+class EmbeddingRequest(InputRequest):
     """``POST /v1/embeddings``."""
 
     encoding_format: Literal["float", "base64"] = "float"
@@ -80,11 +83,11 @@ class PoolingRequest(EmbeddingRequest):
     task: Literal["embed", "classify"] | None = None
 
 
-class ClassificationRequest(_InputRequest):
+class ClassificationRequest(InputRequest):
     """``POST /classify``."""
 
 
-class ScoreRequest(_PoolingFields):
+class ScoreRequest(PoolingFields):
     """``POST /score`` and ``/v1/score``: vLLM's spellings of the two sides
     (``text_1``/``text_2``, ``data_1``/``data_2``, ``queries`` with ``documents`` or
     ``items``)."""
@@ -102,7 +105,7 @@ class RerankDocument(BaseModel):
     text: str
 
 
-class RerankRequest(_PoolingFields):
+class RerankRequest(PoolingFields):
     """``POST /rerank``, ``/v1/rerank``, ``/v2/rerank`` (Jina and Cohere)."""
 
     query: str
@@ -133,7 +136,7 @@ class EmbeddingData(BaseModel):
 
 
 class EmbeddingResponse(_ListResponse):
-    id: str = Field(default_factory=lambda: random_id("embd"))
+    id: str = Field(default_factory=lambda: random_request_id("embd"))
     data: list[EmbeddingData]
 
 
@@ -144,7 +147,7 @@ class PoolingData(BaseModel):
 
 
 class PoolingResponse(_ListResponse):
-    id: str = Field(default_factory=lambda: random_id("pool"))
+    id: str = Field(default_factory=lambda: random_request_id("pool"))
     data: list[PoolingData]
 
 
@@ -157,7 +160,7 @@ class ClassificationData(BaseModel):
 
 
 class ClassificationResponse(_ListResponse):
-    id: str = Field(default_factory=lambda: random_id("classify"))
+    id: str = Field(default_factory=lambda: random_request_id("classify"))
     data: list[ClassificationData]
 
 
@@ -168,7 +171,7 @@ class ScoreData(BaseModel):
 
 
 class ScoreResponse(_ListResponse):
-    id: str = Field(default_factory=lambda: random_id("score"))
+    id: str = Field(default_factory=lambda: random_request_id("score"))
     data: list[ScoreData]
 
 
@@ -179,7 +182,7 @@ class RerankResult(BaseModel):
 
 
 class RerankResponse(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("rerank"))
+    id: str = Field(default_factory=lambda: random_request_id("rerank"))
     model: str
     usage: PoolingUsage
     results: list[RerankResult]
