@@ -28,6 +28,11 @@ def _load(path: Path, dtype: torch.dtype) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
+def _onednn_packs_bf16() -> bool:
+    """oneDNN packs bf16 weights only on CPUs with avx512bw/vl/dq or avx_ne_convert."""
+    return packed_linear._onednn_supports(torch.bfloat16)
+
+
 def _packable(model: nn.Module) -> list[str]:
     """Names of the layers that may be packed: plain linears whose weight no other
     module uses."""
@@ -48,6 +53,9 @@ def test_packed_model_gives_the_same_logits(family: str, dtype: torch.dtype,
     oneDNN."""
     if onednn_only:
         monkeypatch.setattr(packed_linear, "load_gemm", lambda: None)
+    if dtype == torch.bfloat16 and not _onednn_packs_bf16() and (
+            onednn_only or load_gemm() is None):
+        pytest.skip("neither AVX512-BF16 nor oneDNN's bf16 packing on this CPU")
     plain = _load(tiny_models[family], dtype)
     packed = _load(tiny_models[family], dtype)
     expected_names = _packable(packed)
@@ -67,10 +75,24 @@ def test_packed_model_gives_the_same_logits(family: str, dtype: torch.dtype,
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
+def test_bf16_layers_stay_on_aten_where_nothing_packs_them(
+        tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with neither AVX512-BF16 nor oneDNN's bf16 packing (AVX2 alone), a bf16
+    model keeps its layers as they are instead of failing to load."""
+    monkeypatch.setattr(packed_linear, "load_gemm", lambda: None)
+    monkeypatch.setattr(packed_linear, "_onednn_supports",
+                        lambda dtype: dtype == torch.float32)
+    model = _load(tiny_models["llama"], torch.bfloat16)
+    assert pack_linear_layers(model) == 0
+    assert not any(isinstance(module, PackedLinear) for module in model.modules())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_any_row_count_gives_the_plain_product(dtype: torch.dtype) -> None:
     """Rows padded up to a cached size are computed and dropped: every row count, in
     the batch shapes the runner uses, gives F.linear's result and shape."""
+    if dtype == torch.bfloat16 and not _onednn_packs_bf16() and load_gemm() is None:
+        pytest.skip("neither AVX512-BF16 nor oneDNN's bf16 packing on this CPU")
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 40, dtype=dtype, generator=generator)
     bias = torch.randn(48, dtype=dtype, generator=generator)
@@ -136,9 +158,12 @@ def test_the_cpu_runner_packs_its_model(llama_path: Path, llama_llm: LLM) -> Non
 
 def test_bf16_layers_take_the_avx512_bf16_kernel_where_the_cpu_has_it() -> None:
     """The kernel loads exactly where the CPU has AVX512-BF16 (this machine has a C
-    compiler); there, bf16 weights that fit it use it and the rest stay on oneDNN."""
+    compiler); there, bf16 weights that fit it use it and the rest stay on oneDNN (on a CPU
+    where oneDNN packs bf16: it needs avx512bw/vl/dq or avx_ne_convert)."""
     gemm = load_gemm()
     assert (gemm is not None) == ("avx512_bf16" in native_build.cpu_flags())
+    if not _onednn_packs_bf16():
+        pytest.skip("oneDNN does not pack bf16 weights on this CPU")
     fits = PackedLinear(torch.randn(48, 40).bfloat16(), None)
     odd_width = PackedLinear(torch.randn(24, 40).bfloat16(), None)  # 24 outputs: not 16k
     fp32 = PackedLinear(torch.randn(48, 40), None)
