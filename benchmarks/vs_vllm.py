@@ -64,6 +64,8 @@ ANCHOR = HERE.parent.parent / "shared" / "anchors" / "vllm_cpu"
 CONTAMINATED_CORES = 0.1
 #: Extra environment per engine: ``baseline`` imports triollm from another checkout.
 ENGINE_ENV: dict[str, dict[str, str]] = {}
+#: The dtype every engine computes in (``--dtype``; children read it from the environment).
+DTYPE = os.environ.get("VS_VLLM_DTYPE", "bfloat16")
 #: {"prompts": token ids per request, "output_lens": tokens to generate per request}
 Workload = dict[str, list]
 
@@ -183,11 +185,11 @@ def child_offline(engine: str, model: str, workload_file: str, max_num_seqs: int
     if engine == "vllm":
         _patch_vllm_version()
         from vllm import LLM, SamplingParams
-        llm = LLM(model=model, dtype="bfloat16", max_model_len=1024,
+        llm = LLM(model=model, dtype=DTYPE, max_model_len=1024,
                   max_num_seqs=max_num_seqs, seed=0)
     else:
         from triollm import LLM, SamplingParams  # type: ignore[assignment]
-        llm = LLM(model, dtype="bfloat16", max_model_len=1024,  # type: ignore[assignment]
+        llm = LLM(model, dtype=DTYPE, max_model_len=1024,  # type: ignore[assignment]
                   max_num_seqs=max_num_seqs)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in workload["output_lens"]]
@@ -313,7 +315,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def server(engine: str, python: str, model_dir: str, log: Path) -> Iterator[str]:
     port = free_port()
-    common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+    common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", DTYPE,
               "--max-model-len", "1024", "--max-num-seqs", "64"]
     if engine == "vllm":
         command = [python, str(ANCHOR / "vllm_cli.py"), "serve", model_dir, *common]
@@ -426,10 +428,14 @@ def print_table(measurements: list[Measurement], engines: list[str]) -> None:
 
 
 def main() -> None:
+    global DTYPE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--engines", nargs="+", default=["triollm", "vllm"],
                         choices=["triollm", "vllm"])
+    parser.add_argument("--dtype", default=DTYPE, choices=["bfloat16", "float32"],
+                        help="what every engine computes in (bfloat16 needs AVX-512 to be "
+                             "fast; float32 on AVX2-only CPUs)")
     parser.add_argument("--baseline", default=None, metavar="DIR",
                         help="also run triollm from DIR/src as the engine 'baseline'")
     parser.add_argument("--parts", nargs="+", default=["offline", "serving", "neighbour"],
@@ -444,6 +450,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="the side venv's python (default: run the anchor's setup.sh)")
     args = parser.parse_args()
+    DTYPE = os.environ["VS_VLLM_DTYPE"] = args.dtype
     if args.baseline is not None:
         source = Path(args.baseline).resolve() / "src"
         if not (source / "triollm").is_dir():
