@@ -18,8 +18,8 @@ import argparse
 import torch
 
 from common import timed
-from triollm.model.cpu.varlen import load_varlen_kernel
 from triollm.model.attention.varlen import VarlenMetadata, varlen_attention_forward
+from triollm.model.cpu.varlen import load_varlen_kernel
 
 
 def main() -> None:

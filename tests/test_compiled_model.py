@@ -17,7 +17,7 @@ from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import LLM, SamplingParams
 from triollm.model.cpu import packed_linear
 from triollm.model.cpu.gemm import load_gemm
-from triollm.model.runners import torch_runner
+from triollm.model.runners import compile as runner_compile
 from triollm.testing import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -78,7 +78,7 @@ def test_a_model_that_fails_to_compile_runs_eagerly(
         return run
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    with caplog.at_level(logging.WARNING, logger="triollm.model.runners.torch_runner"):
+    with caplog.at_level(logging.WARNING, logger=runner_compile.__name__):
         llm = LLM(str(llama_path), dtype="float32", max_model_len=128,
                   num_gpu_blocks_override=256, optimization_level=2)
     assert not llm.engine.runner.compiled
@@ -138,7 +138,7 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
     for grouped in (True, False):
         with monkeypatch.context() as patch:
             if not grouped:
-                patch.setattr(torch_runner, "group_weights_of_shared_inputs", lambda calls: 0)
+                patch.setattr(runner_compile, "group_weights_of_shared_inputs", lambda calls: 0)
             llm = _bf16_compiled_llm(llama_path)
             calls.clear()
             outputs = llm.generate(PROMPTS[:1], params, use_tqdm=False)
