@@ -26,16 +26,18 @@ import functools
 import torch
 
 from common import timed
-from triollm.model.attention.paged import (
+from triollm.model.attention.kernel import DecodeStepKernel
+from triollm.model.attention.metadata import (
     DecodeGroup,
     KVCacheSpec,
     PagedAttentionMetadata,
     PagedKVCache,
-    compiled_paged_decode_attention,
-    paged_attention_forward,
 )
+from triollm.model.attention.paged import paged_attention_forward
+from triollm.model.attention.torch_decode import compiled_paged_decode_attention
 from triollm.model.cpu import decode as cpu_decode
-from triollm.model.runners import torch_runner
+from triollm.model.runners import batch as runner_batch
+from triollm.model.runners import compile as runner_compile
 
 HEADS, DIM, BLOCK = 12, 64, 16
 
@@ -96,8 +98,10 @@ def main() -> None:
                                 ("compiled", compiled_paged_decode_attention, cache),
                                 ("C fp32", kernel, cache), ("C bf16", kernel, bf16_cache),
                                 ("portable", portable, bf16_cache)):
+            step = each.decode_step if isinstance(each, DecodeStepKernel) else None
             metadata = PagedAttentionMetadata(kv_cache=on, slot_mapping=slots,
-                                              decode_groups=[group], decode_kernel=each)
+                                              decode_groups=[group], decode_kernel=each,
+                                              decode_step=step)
             results[label] = timed(functools.partial(
                 _forward, module, query, key, value, metadata), args.repeats)
         print(f"{shape:>16} {results['gather'] * 1e3:11.3f} ms {results['compiled'] * 1e3:7.3f} ms"
@@ -121,8 +125,8 @@ def mixed(module: torch.nn.Module, cache: PagedKVCache, steps: list[str], repeat
                               for t, c in zip(tables, contexts, strict=True)])
         results = {}
         for label, padding_blocks in (("rule", 0),
-                                      ("allowance", torch_runner._KERNEL_PADDING_KEYS // BLOCK)):
-            spans = torch_runner.decode_spans(widths, padding_blocks)
+                                      ("allowance", runner_compile._KERNEL_PADDING_KEYS // BLOCK)):
+            spans = runner_batch.decode_spans(widths, padding_blocks)
             groups = [DecodeGroup(start, end, torch.tensor(
                 [t + [0] * (widths[start] - len(t)) for t in tables[start:end]]),
                 torch.tensor(contexts[start:end])) for start, end in spans]

@@ -105,7 +105,7 @@ def save_model(name: str, directory: str, seed: int) -> int:
 def run_triollm(path: str, workload: Workload, max_num_seqs: int,
                 enforce_eager: bool = False, pack_linear: bool = True) -> float:
     packing = contextlib.nullcontext() if pack_linear else mock.patch(
-        "triollm.model.runners.torch_runner.pack_linear_layers", return_value=0)
+        "triollm.model.runners.setup.pack_linear_layers", return_value=0)
     with packing:
         llm = LLM(path, dtype="bfloat16", max_num_seqs=max_num_seqs, max_model_len=1024,
                   max_num_batched_tokens=512, kv_cache_space_gb=2,

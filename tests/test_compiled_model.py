@@ -15,12 +15,16 @@ from torch._dynamo.utils import counters
 
 from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import LLM, SamplingParams
+from triollm.engine import args as engine_args
 from triollm.model.cpu import packed_linear
 from triollm.model.cpu.gemm import load_gemm
-from triollm.model.runners import torch_runner
-from triollm.testing import build_tiny_model
+from triollm.model.runners import compile as runner_compile
+from triollm.testing import TINY_FAMILIES, build_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+#: The level users get, read when pytest imports this module, before conftest.py's
+#: session fixture sets it to 0 for the rest of the suite.
+SHIPPED_OPTIMIZATION_LEVEL = engine_args.DEFAULT_OPTIMIZATION_LEVEL
 
 
 def compiled_llm(path: Path, **args: Any) -> LLM:
@@ -78,7 +82,7 @@ def test_a_model_that_fails_to_compile_runs_eagerly(
         return run
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    with caplog.at_level(logging.WARNING, logger="triollm.model.runners.torch_runner"):
+    with caplog.at_level(logging.WARNING, logger=runner_compile.__name__):
         llm = LLM(str(llama_path), dtype="float32", max_model_len=128,
                   num_gpu_blocks_override=256, optimization_level=2)
     assert not llm.engine.runner.compiled
@@ -138,7 +142,7 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
     for grouped in (True, False):
         with monkeypatch.context() as patch:
             if not grouped:
-                patch.setattr(torch_runner, "group_weights_of_shared_inputs", lambda calls: 0)
+                patch.setattr(runner_compile, "group_weights_of_shared_inputs", lambda calls: 0)
             llm = _bf16_compiled_llm(llama_path)
             calls.clear()
             outputs = llm.generate(PROMPTS[:1], params, use_tqdm=False)
@@ -187,3 +191,52 @@ def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> No
     for inputs, handles in (([0, 0, 0], [first, second, third]), ([0, 1], [first, second]),
                             ([0, 0], [second, first])):
         assert packed_linear.fuse_shared_input_calls(_graph_of_calls(inputs, handles)) == 0
+
+
+@pytest.fixture
+def shipped_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines built at the optimization level users get, and a recompile limit as low
+    as the runner allows, so that no test relies on another's having raised it."""
+    assert SHIPPED_OPTIMIZATION_LEVEL > 0, "the shipped default should compile on CPU"
+    monkeypatch.setattr(engine_args, "DEFAULT_OPTIMIZATION_LEVEL", SHIPPED_OPTIMIZATION_LEVEL)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+
+
+def _compiled_at_shipped_default(path: Path, caplog: pytest.LogCaptureFixture,
+                                 **args: Any) -> LLM:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=runner_compile.__name__):
+        llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64,
+                  **{"cpu_threads": 1, **args})
+    assert llm.engine.runner.compiled, caplog.text
+    assert "compiling the model failed" not in caplog.text
+    return llm
+
+
+@pytest.mark.usefixtures("shipped_default")
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_each_family_compiled_at_the_shipped_default_equals_transformers(
+        family: str, tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    path = tiny_models[family]
+    llm = _compiled_at_shipped_default(path, caplog)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference(path)
+
+
+@pytest.mark.usefixtures("shipped_default")
+def test_the_nth_engine_in_a_process_is_compiled_like_the_first(
+        llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Engines of one model built one after another each compile their own forward:
+    dynamo's compiled code for one model (whose graph holds that model's packed-weight
+    handles) neither stands in for another's nor counts towards its recompile limit."""
+    configurations: list[dict[str, Any]] = [
+        {}, {"max_num_seqs": 4}, {"block_size": 8, "max_num_batched_tokens": 32}]
+    eager = LLM(str(llama_path), max_model_len=128, num_gpu_blocks_override=64,
+                optimization_level=0)
+    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    for configuration in configurations:
+        llm = _compiled_at_shipped_default(llama_path, caplog, **configuration)
+        before = graphs_compiled()
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert graphs_compiled() == before

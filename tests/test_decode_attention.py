@@ -15,17 +15,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from triollm import LLM, SamplingParams
-from triollm.model.attention.paged import (
+from triollm.model.attention.kernel import DecodeStepKernel
+from triollm.model.attention.metadata import (
     DecodeGroup,
     KVCacheSpec,
     PagedAttentionMetadata,
     PagedKVCache,
-    compiled_paged_decode_attention,
-    paged_attention_forward,
 )
+from triollm.model.attention.paged import paged_attention_forward
+from triollm.model.attention.torch_decode import compiled_paged_decode_attention
 from triollm.model.cpu import build as native_build
 from triollm.model.cpu import decode as cpu_decode
 from triollm.model.cpu import helpers as cpu_helpers
+from triollm.model.runners import batch as runner_batch
+from triollm.model.runners import compile as runner_compile
 from triollm.model.runners import torch_runner
 
 BLOCK = 4
@@ -58,8 +61,10 @@ def _decode_outputs(lens: list[int], kv_heads: int, q_heads: int, sliding_window
     value = torch.randn(1, kv_heads, tokens, dim, generator=generator)
     outputs = []
     for each in (kernel, None):
+        step = each.decode_step if isinstance(each, DecodeStepKernel) else None
         metadata = PagedAttentionMetadata(kv_cache=cache, slot_mapping=torch.tensor(slots),
-                                          decode_groups=[group], decode_kernel=each)  # type: ignore[arg-type]
+                                          decode_groups=[group], decode_kernel=each,  # type: ignore[arg-type]
+                                          decode_step=step)
         out, _ = paged_attention_forward(module, query, key, value, None, scaling=0.3,
                                          sliding_window=sliding_window, softcap=softcap,
                                          triollm_metadata=metadata)
@@ -167,23 +172,18 @@ def test_a_step_of_decodes_is_one_call_with_the_writes_and_answers_of_the_layer_
     assert torch.equal(got, expected)
     assert torch.equal(cache.keys[0], keys) and torch.equal(cache.values[0], values)
 
-    metadata = PagedAttentionMetadata(
-        kv_cache=cache, slot_mapping=slots, decode_kernel=kernel,
-        decode_groups=[DecodeGroup(0, tokens, block_tables, context_lens)])
     calls = []
-    original = kernel.decode_step
 
     def counted(*args: object) -> torch.Tensor | None:
         calls.append(args)
-        return original(*args)  # type: ignore[arg-type]
+        return kernel.decode_step(*args)  # type: ignore[arg-type]
 
-    kernel.decode_step = counted  # type: ignore[method-assign]
-    try:
-        out, _ = paged_attention_forward(
-            module, query[None], key[None], value[None], None, scaling=0.3,
-            sliding_window=window, softcap=softcap, triollm_metadata=metadata)
-    finally:
-        del kernel.decode_step
+    metadata = PagedAttentionMetadata(
+        kv_cache=cache, slot_mapping=slots, decode_kernel=kernel, decode_step=counted,
+        decode_groups=[DecodeGroup(0, tokens, block_tables, context_lens)])
+    out, _ = paged_attention_forward(
+        module, query[None], key[None], value[None], None, scaling=0.3,
+        sliding_window=window, softcap=softcap, triollm_metadata=metadata)
     assert len(calls) == 1
     assert torch.equal(out[0].transpose(0, 1), expected)
 
@@ -219,8 +219,8 @@ def test_without_the_c_kernel_the_compiled_one_then_the_gather_path(
     def broken(*args: object) -> torch.Tensor:
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(torch_runner, "compiled_paged_decode_attention", broken)
-    with caplog.at_level(logging.WARNING, logger="triollm.model.runners.torch_runner"):
+    monkeypatch.setattr(runner_compile, "compiled_paged_decode_attention", broken)
+    with caplog.at_level(logging.WARNING, logger=runner_compile.__name__):
         llm = LLM(str(llama_path), dtype="float32", max_model_len=128)
     assert llm.engine.runner.decode_kernel is None  # type: ignore[attr-defined]
     assert "no C++ compiler here" in caplog.text
@@ -258,13 +258,13 @@ def test_the_kernel_builds_into_a_cache_keyed_by_the_machine(
 def test_decode_spans_cover_the_step_and_bound_each_rows_padding(
         widths: list[int], padding_blocks: int) -> None:
     widths = sorted(widths, reverse=True)
-    spans = torch_runner.decode_spans(widths, padding_blocks)
+    spans = runner_batch.decode_spans(widths, padding_blocks)
     assert [i for start, end in spans for i in range(start, end)] == list(range(len(widths)))
     for start, end in spans:
         for width in widths[start:end]:
-            assert (width * torch_runner._MAX_DECODE_PADDING >= widths[start]
+            assert (width * runner_batch._MAX_DECODE_PADDING >= widths[start]
                     or widths[start] - width <= padding_blocks)
         if end < len(widths):  # a group ends only where the next decode would break both
             next_width = widths[end]
-            assert next_width * torch_runner._MAX_DECODE_PADDING < widths[start]
+            assert next_width * runner_batch._MAX_DECODE_PADDING < widths[start]
             assert widths[start] - next_width > padding_blocks

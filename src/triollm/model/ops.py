@@ -4,9 +4,8 @@ linear layers, paged attention), each an opaque op with a fake for tracing.
 They are defined with ``torch.library``'s low-level API rather than
 ``torch.library.custom_op``, whose Python wrappers around each call (an aliasing check
 of the output against the inputs, a context that keeps dynamo out of the body) double
-the cost of calling an empty op (2.7 against 1.3 µs). A decode step of the 8-layer 27M
-Llama makes 64 such calls; defined this way its step took 0.20-0.23 ms less (2.3 and
-3.2 ms at one and four sequences, docs/benchmarks.md). The ops return new tensors that
+the cost of calling an empty op, and a decode step makes several such calls per layer
+(docs/benchmarks.md). The ops return new tensors that
 alias no input, and run only under inference mode (so they have no autograd formula).
 """
 

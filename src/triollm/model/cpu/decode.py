@@ -141,7 +141,7 @@ def _agrees_with_torch(kernel: CpuDecodeKernel) -> bool:
     """The kernel's answer on small random inputs (GQA, a sliding window, softcap, fp32
     and bf16 caches, head sizes that take each path) against ``paged_decode_attention``
     run eagerly."""
-    from triollm.model.attention.paged import paged_decode_attention
+    from triollm.model.attention.torch_decode import paged_decode_attention
 
     generator = torch.Generator().manual_seed(0)
     cases = ((torch.float32, None, None), (torch.bfloat16, 9, 30.0))

@@ -1,15 +1,14 @@
-"""CPU linear layers over weights pre-packed once: bf16 weights into cpu_gemm.py's layout
-where the CPU has AVX512-BF16 (its kernel reads them faster still: 1.1-1.6x oneDNN's),
+"""CPU linear layers over weights pre-packed once: bf16 weights into gemm.py's layout
+where the CPU has AVX512-BF16 (its kernel reads them faster still than oneDNN),
 everything else into oneDNN's blocked layout.
 
 A decode step multiplies a few rows by every weight of the model, so on CPU its time
-is the time to read the weights. aten's ``linear`` reads a row-major weight at about a
-third of this machine's memory bandwidth; oneDNN, given the weight reordered once
-into its own blocked layout, runs the same product 1.3-1.6x faster in bf16 (1.5-2.2x
-in fp32) for 1-32 rows and about as fast for prefill-sized ones
-(``benchmarks/packed_linear.py``). This is what inductor's freezing pass does for
-compiled CPU models; doing it to the loaded modules gets the same kernels without
-compiling the model.
+is the time to read the weights. aten's ``linear`` reads a row-major weight well below
+the memory bandwidth; oneDNN, given the weight reordered once into its own blocked
+layout, runs the same product faster for a few rows and about as fast for
+prefill-sized ones (``benchmarks/packed_linear.py``). This is what inductor's freezing
+pass does for compiled CPU models; doing it to the loaded modules gets the same kernels
+without compiling the model.
 
 Only plain ``nn.Linear`` and GPT-2's ``Conv1D`` are packed, only on CPU, and only a
 weight that no other module shares (a tied LM head keeps its embedding's weight).
@@ -18,21 +17,21 @@ original; a layer that fails the check, or a torch without the oneDNN ops, keeps
 plain module.
 
 oneDNN builds (JIT-compiles) one primitive per input row count and caches up to 1,024 of
-them, each with buffers of its own: about 0.5 ms to build and up to a megabyte to keep.
-A server sees a new row count at almost every step (decode batch sizes, prefill chunks),
-so the cache filled with one-off primitives and held about 500 MiB after a few thousand
-requests (``benchmarks/memory_soak.py``). Row counts above 32 are therefore padded up to
+them, each with buffers of its own. A server sees a new row count at almost every step
+(decode batch sizes, prefill chunks), so unbounded, the cache fills with one-off
+primitives and holds hundreds of MiB after a few thousand requests
+(``benchmarks/memory_soak.py``). Row counts above 32 are therefore padded up to
 one of 16 sizes per power of two (at most 6.25% more rows, 3% on average): a linear layer
 shape then needs at most 32 + 16 per doubling primitives, about 160 up to 8,192 rows.
 
 Layers that read the same input (a Llama layer's q, k and v projections; its gate and
 up ones) are multiplied in one call where the model is compiled: ``group_weights_of_shared_inputs``
 watches a forward, finds the runs of layers called on one tensor, and moves each run's
-weights (in cpu_gemm.py's layout) into one tensor of which each layer's is a view, so
+weights (in gemm.py's layout) into one tensor of which each layer's is a view, so
 nothing is stored twice; ``fuse_shared_input_calls``, run on the graph ``torch.compile``
 traces, replaces each run's calls by one over the group's weights and slices of its
-result. A decode step of the 27M Llama makes 32 calls instead of 56; each call costs
-about 5 µs besides the kernel (docs/benchmarks.md).
+result: a Llama layer makes 4 calls instead of 7, and each call saved is the op's
+overhead besides the kernel.
 """
 
 from __future__ import annotations
@@ -68,11 +67,11 @@ logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ weight.T + bias`` with ``weight`` held packed (cpu_gemm.py's layout or
+    """``y = x @ weight.T + bias`` with ``weight`` held packed (gemm.py's layout or
     oneDNN's).
 
     The packed tensor is an attribute, not a parameter: in oneDNN's layout it is an
-    opaque ``_mkldnn`` tensor that only oneDNN's linear reads; in cpu_gemm.py's it is a
+    opaque ``_mkldnn`` tensor that only oneDNN's linear reads; in gemm.py's it is a
     plain ``[out/16, in/2, 16, 2]`` tensor that only the C kernel reads the right way.
     Neither is something ``torch.compile`` should trace, so a compiled model calls the
     custom op ``triollm::packed_linear`` with the layer's ``handle``, under which the
@@ -82,7 +81,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         gemm = _gemm_for(weight)
-        if gemm is not None:  # cpu_gemm.py's layout, fp32 bias
+        if gemm is not None:  # gemm.py's layout, fp32 bias
             self.packed_weight = gemm.pack(weight)
             self.bias = None if bias is None else bias.detach().float()
         else:
@@ -205,7 +204,7 @@ def _forget_group(members: tuple[int, ...]) -> None:
 @torch.no_grad()
 def group_weights_of_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]]) -> int:
     """Group the layers ``calls`` (``recording_calls``) shows called one after another on
-    the same input tensor: each run of two or more, all on cpu_gemm.py's layout with the
+    the same input tensor: each run of two or more, all on gemm.py's layout with the
     same input size and all with or all without a bias, gets its weights moved into one
     tensor (each layer's packed weight becomes a view of it) registered as one more
     handle. Returns how many groups were made."""
@@ -295,7 +294,7 @@ def _onednn_supports(dtype: torch.dtype) -> bool:
 
 
 def _gemm_for(weight: torch.Tensor) -> CpuGemm | None:
-    """cpu_gemm.py's kernel where it takes ``weight`` (bf16, on a CPU with AVX512-BF16);
+    """gemm.py's kernel where it takes ``weight`` (bf16, on a CPU with AVX512-BF16);
     it is not built at all for other dtypes."""
     if weight.dtype != torch.bfloat16:
         return None

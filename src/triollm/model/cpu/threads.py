@@ -3,8 +3,8 @@
 torch splits every op across its OpenMP threads, and each op ends at a barrier where all
 of them wait for the slowest. When another process keeps one of those cores busy, the
 thread that shares its core gets a time slice only every few milliseconds, and every op
-waits for it: beside one busy-loop process a 2-thread engine on 2 cores ran 3.7-18x
-slower, where one thread on the free core loses only that core's share.
+waits for it: beside one busy-loop process a 2-thread engine on 2 cores runs several
+times slower, where one thread on the free core loses only that core's share.
 
 So by default (``cpu_threads=None``) the model thread measures, at most every
 ``WINDOW_SECONDS`` before a step, how many of the cores it may run on were kept busy by
@@ -13,13 +13,9 @@ computes on the cores left: usable cores minus ``round(others)``, at least one a
 most what torch started with. Fewer
 threads are taken at once; more only after two windows agree, so a brief burst next
 door does not make it flap. While it computes on one thread, the C kernels take
-helpers for the cores given up (cpu_helpers.py), which use those cores' spare time
+helpers for the cores given up (model/cpu/helpers.py), which use those cores' spare time
 without ever holding up a step. A fixed ``cpu_threads``, or ``OMP_NUM_THREADS`` in the
 environment, turns this off. Where ``/proc`` cannot be read the count stays fixed.
-
-``prepare_for_cpu`` is what both model runners do to a loaded model on CPU: this policy,
-the linear layers moved onto packed weights (packed_linear.py), and malloc told to keep
-freed memory for the next step (cpu_malloc.py).
 """
 
 from __future__ import annotations
@@ -31,13 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from triollm.model.cpu.helpers import set_spare_threads
-from triollm.model.cpu.malloc import keep_freed_memory
-from triollm.model.cpu.packed_linear import pack_linear_layers
 
-__all__ = ["ComputeThreads", "CpuTimes", "prepare_for_cpu", "read_cpu_times"]
+__all__ = ["ComputeThreads", "CpuTimes", "read_cpu_times"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +123,7 @@ class ComputeThreads:
         """Re-decide the thread count if a window has passed; returns the count."""
         if not self.adaptive or self._last is None:
             return self.threads
-        # Reading /proc costs ~0.1 ms, so it is read only once a window has passed.
+        # /proc is read only once a window has passed: reading it is not free.
         if self._clock() - self._last.wall < WINDOW_SECONDS:
             return self.threads
         now = self._read(self._cores)
@@ -161,16 +154,6 @@ class ComputeThreads:
                     self.others_cores, len(self._cores), threads, "" if threads == 1 else "s")
         self.threads = threads
         self._set_threads(threads)
-        # On one thread the C kernels may use helpers on the cores given up (cpu_helpers.py).
+        # On one thread the C kernels may use helpers on the cores given up (helpers.py).
         set_spare_threads(self.max_threads - 1 if threads == 1 else 0)
 
-
-def prepare_for_cpu(model: nn.Module, cpu_threads: int | None) -> ComputeThreads:
-    """The thread policy a runner's steps compute with (``cpu_threads``: a fixed count,
-    or None to adapt), after moving ``model``'s linear layers onto packed weights and
-    raising malloc's thresholds."""
-    compute_threads = ComputeThreads(cpu_threads)
-    keep_freed_memory()
-    packed = pack_linear_layers(model)
-    logger.info("%d linear layers run on packed weights", packed)
-    return compute_threads

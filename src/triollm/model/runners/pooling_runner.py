@@ -4,8 +4,8 @@ One step is one forward over whole prompts packed into a ``[1, T]`` row, sorted 
 length so prompts of equal length share one attention call (model/attention/varlen.py);
 no padding between prompts and no KV cache. Where linear layers run on oneDNN (fp32, or
 bf16 without AVX512-BF16), each would copy a row count outside packed_linear.py's
-bounded set into a padded buffer (about 6% of an fp32 embedding step), so the row is
-filled up to such a count once, with filler prompts of token 0 that attend only to each
+bounded set into a padded buffer (a noticeable share of an fp32 embedding step), so the
+row is filled up to such a count once, with filler prompts of token 0 that attend only to each
 other and are never pooled. The scheduler still accounts tokens in blocks, so the
 runner reports enough blocks for a full step's worth of prompts and reads none of
 them. The last hidden states are pooled per prompt (model/pooler.py); a classifier's
@@ -25,10 +25,11 @@ from triollm.config import EngineConfig
 from triollm.model.attention.varlen import VARLEN_ATTENTION_NAME, VarlenMetadata
 from triollm.model.cpu.helpers import drain_pools
 from triollm.model.cpu.packed_linear import padded_rows, pads_rows
-from triollm.model.cpu.threads import ComputeThreads, prepare_for_cpu
+from triollm.model.cpu.threads import ComputeThreads
 from triollm.model.cpu.varlen import VarlenKernel, load_varlen_kernel
 from triollm.model.loader import load_pooling_model
 from triollm.model.pooler import Pooler
+from triollm.model.runners.setup import prepare_for_cpu
 from triollm.pooling_params import PoolingParams
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 

@@ -1,0 +1,192 @@
+"""Compiling on CPU, at start-up: the decode attention and the model's decoder.
+
+The decode attention is the C kernel (model/cpu/decode.py) where it builds, else
+``paged_decode_attention`` through ``torch.compile``; either is checked by a forward of
+dummy decodes, and a failure leaves the gather path. With ``compile_model``, the
+decoder (the model less its head) goes through ``torch.compile`` and is compiled at
+once for every shape and thread count it will meet, then checked against the eager
+forward; a failure leaves the model eager.
+
+Each model is compiled into a code object of its own. dynamo keeps compiled code, and
+counts recompiles against ``recompile_limit``, per code object; ``Module.compile``
+would compile the decoder's ``forward``, whose code (transformers' decorators around
+it) every model in the process shares. The compiled graphs hold per-model constants,
+each packed linear layer's ``handle``, which dynamo guards on, so every later model
+added entries to one shared cache until the limit made dynamo run the forward eagerly,
+where the paged attention has no metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from triollm.config import EngineConfig
+from triollm.model.attention.kernel import DecodeKernel, DecodeStepKernel
+from triollm.model.attention.metadata import KVCacheSpec, PagedAttentionMetadata, PagedKVCache
+from triollm.model.attention.torch_decode import compiled_paged_decode_attention
+from triollm.model.cpu.packed_linear import (
+    fuse_shared_input_calls,
+    group_weights_of_shared_inputs,
+    recording_calls,
+)
+from triollm.model.cpu.threads import ComputeThreads
+from triollm.model.runners.batch import DecodeAttention, decode_groups, run_forward
+
+__all__ = ["DummyDecodes", "choose_decode_attention", "compile_model"]
+
+logger = logging.getLogger(__name__)
+
+#: With the compiled kernel, which reads blocks in place, a call costs about as much as
+#: a few hundred keys of padding, so a decode also joins a group when padding it adds
+#: at most this many keys (``benchmarks/decode_attention.py --mixed``).
+_KERNEL_PADDING_KEYS = 512
+#: The C kernel reads each row's own blocks only: one call for every decode.
+_UNLIMITED_PADDING_KEYS = 1 << 40
+
+
+class DummyDecodes:
+    """Forwards of dummy decodes over tables of copies of block 0, whose slots get
+    overwritten before any request reads them: what compiles and checks a kernel."""
+
+    def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache, config: EngineConfig,
+                 specs: dict[int, KVCacheSpec]) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = config.model.device
+        self.rows, self.columns = self._sizes(config, specs)
+
+    def _sizes(self, config: EngineConfig, specs: dict[int, KVCacheSpec]) -> tuple[int, int]:
+        """A batch size and a block-table width for a forward that compiles: torch.compile
+        ties sizes that are equal when it compiles ("duck sizing") and compiles again once
+        they differ, so neither may equal any of the cache's or the model's dimensions."""
+        hf_config = config.model.hf_config
+        taken = {self.kv_cache.num_blocks, self.kv_cache.block_size, *(
+            size for spec in specs.values() for size in (spec.num_kv_heads, spec.head_dim))}
+        taken |= {int(getattr(hf_config, name, 0) or 0) for name in (
+            "num_attention_heads", "hidden_size", "intermediate_size", "num_hidden_layers")}
+        rows, columns = [n for n in (5, 7, 11, 13, 17, 19, 23, 29, 31) if n not in taken][:2]
+        return rows, columns
+
+    def run(self, attention: DecodeAttention, compiled: bool, rows: int | None = None
+            ) -> torch.Tensor:
+        """The logits of ``rows`` (default ``self.rows``) dummy decodes."""
+        rows = self.rows if rows is None else rows
+        metadata = PagedAttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.arange(rows, dtype=torch.long, device=self.device),
+            decode_groups=decode_groups([[0] * self.columns] * rows,
+                                        list(range(rows, 0, -1)), attention,
+                                        self.kv_cache.block_size, self.device),
+            decode_kernel=attention.kernel,
+            decode_step=attention.step,
+        )
+        return run_forward(self.model, torch.arange(rows, dtype=torch.long, device=self.device),
+                           torch.arange(rows - 1, -1, -1, device=self.device), 1, metadata,
+                           compiled)
+
+
+@torch.inference_mode()
+def choose_decode_attention(dummy: DummyDecodes, c_kernel: DecodeKernel | None,
+                            cache_dtype: torch.dtype) -> DecodeAttention:
+    """The C kernel ``c_kernel`` where it runs, else the compiled torch one, each
+    compiled (the torch one for every layer's shape) and checked by a forward of dummy
+    decodes; a failure (no C compiler, say) leaves the gather path."""
+    if c_kernel is not None:
+        step = c_kernel.decode_step if isinstance(c_kernel, DecodeStepKernel) else None
+        chosen = DecodeAttention(c_kernel, step, _UNLIMITED_PADDING_KEYS)
+        if _runs(dummy, chosen):
+            return chosen
+    if cache_dtype != torch.float32:
+        # checked against torch when it loaded, so this is a bug, not a toolchain
+        raise RuntimeError(f"the CPU decode kernel failed its first run; the "
+                           f"{cache_dtype} cache has no other decode path")
+    chosen = DecodeAttention(compiled_paged_decode_attention, None, _KERNEL_PADDING_KEYS)
+    if _runs(dummy, chosen):
+        return chosen
+    return DecodeAttention()
+
+
+def _runs(dummy: DummyDecodes, attention: DecodeAttention) -> bool:
+    try:
+        dummy.run(attention, compiled=False)
+    except Exception as error:  # compilation needs a working C++ toolchain
+        kernel = attention.kernel
+        logger.warning("the decode attention %s failed (%s: %s)",
+                       getattr(kernel, "__name__", type(kernel).__name__),
+                       type(error).__name__, error)
+        return False
+    return True
+
+
+def _inductor_with_shared_input_calls_fused(graph_module: torch.fx.GraphModule,
+                                             example_inputs: list[torch.Tensor]) -> Any:
+    """torch.compile's inductor backend, after fusing the calls of linear layers grouped
+    on one input (packed_linear.py)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    if fuse_shared_input_calls(graph_module.graph):
+        graph_module.recompile()
+    return compile_fx(graph_module, example_inputs)
+
+
+def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module._call_impl(*args, **kwargs)
+
+
+def _compile_on_own_code(module: nn.Module, **options: Any) -> None:
+    """Make ``module``'s calls run through ``torch.compile`` (as ``Module.compile``
+    does), from a function whose code object is this module's alone, so that dynamo's
+    cache for it holds this module's compiled code only."""
+    function = types.FunctionType(_call.__code__.replace(), _call.__globals__, _call.__name__)
+    module._compiled_call_impl = torch.compile(types.MethodType(function, module), **options)
+
+
+@torch.inference_mode()
+def compile_model(dummy: DummyDecodes, attention: DecodeAttention, threads: ComputeThreads,
+                  dtype: torch.dtype) -> bool:
+    """Put the decoder (the model less its head) through ``torch.compile``, dynamic in
+    the step's token count, and compile it now for every shape and thread count it
+    will meet: one token, several tokens (any number: the attention and the packed
+    linears are opaque custom ops), and each count the thread policy may pick, since
+    the compiled code is specialised to the thread count. The compiled forward must
+    give the eager one's logits; if compiling fails or it does not, the model runs
+    eagerly (returns False)."""
+    decoder = dummy.model.get_decoder()
+    counts = threads.ladder()
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(counts) + 2)
+    started = time.perf_counter()
+    try:
+        with recording_calls(dummy.model) as calls:
+            expected = dummy.run(attention, compiled=False)
+        grouped = group_weights_of_shared_inputs(calls)
+        _compile_on_own_code(decoder, dynamic=True,
+                             backend=_inductor_with_shared_input_calls_fused)
+        for count in counts:
+            torch.set_num_threads(count)
+            for batch in (1, dummy.rows):
+                got = dummy.run(attention, compiled=True, rows=batch)
+        tolerance = 1e-3 if dtype == torch.float32 else 5e-2
+        scale = float(expected.abs().max()) + 1.0
+        if not torch.allclose(got.float(), expected.float(), rtol=0.0,
+                              atol=tolerance * scale):
+            raise RuntimeError("the compiled forward's logits differ from the eager one's "
+                               f"by {float((got - expected).abs().max()):.3g}")
+    except Exception as error:  # a missing or broken C++ toolchain, or a torch bug
+        decoder._compiled_call_impl = None
+        logger.warning("compiling the model failed (%s: %s); it runs eagerly",
+                       type(error).__name__, error)
+        return False
+    finally:
+        torch.set_num_threads(threads.threads)
+    threads.keep_to(counts)
+    logger.info("compiled the model in %.1f s (thread counts %s; %d groups of linear "
+                "layers on one input)", time.perf_counter() - started, counts, grouped)
+    return True
