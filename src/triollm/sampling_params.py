@@ -1,4 +1,5 @@
-"""Per-request sampling and pooling parameters, validated once at construction.
+"""Per-request sampling parameters, validated once at construction (pooling's are in
+pooling_params.py).
 
 Field names and meanings follow vLLM's ``SamplingParams`` so that code written for
 vLLM runs unchanged. Every invalid value raises ``ValueError`` naming the field.

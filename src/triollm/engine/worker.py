@@ -9,13 +9,13 @@ computes.
 
 Handing a job to an idle thread also hands it the GIL. The thread wakes from its queue
 in tens of microseconds, but then needs the GIL, which the event loop thread keeps for
-as long as it runs Python (the request tasks sending the last step's tokens, say):
-under a server's load the next step started 0.9 ms (median) after it was submitted.
-So the loop blocks until the thread has taken the job, for at most ``HANDOFF_SECONDS``;
-that wait releases the GIL, the thread takes it, and the next step starts within about
-40 µs. With asynchronous scheduling the next step is submitted while the previous one
-computes (``submit``, then ``ModelJob.wait``), and the thread goes from one to the other
-without a hand-off at all.
+as long as it runs Python (the request tasks sending the last step's tokens, say), so
+under a server's load the next step would start late. So the loop blocks until the
+thread has taken the job, for at most ``HANDOFF_SECONDS``; that wait releases the GIL,
+the thread takes it, and the next step starts at once (figures in docs/benchmarks.md).
+With asynchronous scheduling the next step is submitted while the previous one computes
+(``submit``, then ``ModelJob.wait``), and the thread goes from one to the other without
+a hand-off at all.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ CPU runs.
   A kernel the CPU lacks the instructions for is skipped silently.
 
 The kernels stay plain C behind ctypes rather than torch ops (``TORCH_LIBRARY``) built
-with torch.utils.cpp_extension: a one-op extension (``x * 2``) took 131 s to build on
-the project's 2-core machine (47 s of CPU, nearly all in torch's headers) against about
-1 s for a kernel here, and a build on first use runs again for every new compiler, CPU
+with torch.utils.cpp_extension: torch's headers make even a one-op extension take
+minutes to build on a 2-core machine, against about a second for a kernel here (figures
+in docs/benchmarks.md), and a build on first use runs again for every new compiler, CPU
 or torch version, on the engine's start.
 """
 

@@ -3,8 +3,8 @@ compiler and called through ctypes.
 
 Each single-token query attends over exactly its own sequence's blocks, read in place
 from the paged cache: no padding to the longest sequence of the batch, no gathered copy,
-and about 10 µs of call overhead against the ~0.3 ms a ``torch.compile``'d function
-spends in its guards and wrappers per layer. Work is split over (sequence, KV head)
+and a ctypes call's overhead instead of the guards and wrappers a ``torch.compile``'d
+function spends per layer. Work is split over (sequence, KV head)
 pairs on torch's OpenMP runtime with torch's thread count, so the compute-thread policy
 (``threads.py``) governs it too; while that policy computes on one thread beside
 busy cores, the AVX-512 path's pairs go to helpers.py's pool instead. Scores and
@@ -22,8 +22,7 @@ A step of decodes only takes one call a layer (``decode_step``): the step's keys
 are written into the cache, the queries read and the output written in the model's
 dtype with the strides the model's projections give them, all in C. Around the kernel
 the layer's torch path makes about ten calls (the cache writes, conversions, slicing, a
-copy out); on the 27M Llama's shapes a layer took 9.7 instead of 23.5 µs for one
-sequence and 23.8 instead of 41.8 µs for four.
+copy out). Measured figures: docs/benchmarks.md.
 
 The kernel (``csrc/decode.c``) is compiled for the CPU it runs on (build.py). Without a
 working compiler ``load_kernel`` returns None and the runner falls back to the compiled

@@ -2,16 +2,14 @@
 once into the layout its dot-product instruction reads.
 
 A decode step multiplies a few rows by every weight of the model, so its time is the
-time to stream the weights from memory. oneDNN's packed bf16 product (packed_linear.py)
-reads them at 10-18 GB/s on this project's 2-core machine, where a plain sum reads at 19
-GB/s on one core and 28 GB/s on two. This kernel holds each weight as
+time to stream the weights from memory, and oneDNN's packed bf16 product
+(packed_linear.py) reads them well below the memory's bandwidth. This kernel holds each weight as
 ``[out/16][in/2][16][2]``: one 64-byte load gives two input columns of 16 outputs, which
 ``vdpbf16ps`` multiplies by one broadcast pair of a row's inputs into 16 fp32 sums. A
 tile is 8 rows by 32 outputs (16 accumulators in registers); threads split the output
 columns (and, with many rows, the row tiles): torch's OpenMP threads, or, while the
-thread policy computes on one thread beside busy cores, helpers.py's pool. Measured
-against oneDNN on the 85m model's 84 layers (``benchmarks/packed_linear.py``): 1.35-1.6x
-for 1-16 rows and about 1.1x for 64-256 rows, on one thread and on two.
+thread policy computes on one thread beside busy cores, helpers.py's pool. Its speed
+against oneDNN (``benchmarks/packed_linear.py``) is in docs/benchmarks.md.
 
 The library (``csrc/gemm.c``) is built for the CPU it runs on (build.py) and only where the
 compiler targets AVX512-BF16; elsewhere ``load_gemm`` returns None and bf16 layers stay

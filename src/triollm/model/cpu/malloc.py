@@ -3,9 +3,8 @@
 A CPU step allocates and frees the same few large tensors every layer (a pooling step
 of 2,048 tokens: 3-12 MB each). glibc serves an allocation above its mmap threshold
 with a fresh ``mmap`` and returns free memory at the top of a heap above its trim
-threshold, so each of those tensors came back as new pages that fault in on first
-touch: on this project's 2-core machine an fp32 embedding run spent about 7% of its
-time so (``GLIBC_TUNABLES`` with both thresholds raised: 12.1 → 11.2 s for 512 texts).
+threshold, so each of those tensors comes back as new pages that fault in on first
+touch (docs/benchmarks.md, Embeddings, has the cost measured).
 The thresholds start dynamic, but raising one by hand turns the adjustment off, so both
 are set together: allocations up to 32 MiB (the most ``mallopt`` accepts) come from the
 heap, and freed heap memory is kept for the next step. This is what tcmalloc or

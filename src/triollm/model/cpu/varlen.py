@@ -1,23 +1,21 @@
-"""Prompt attention for pooling steps on CPUs with AVX512-BF16, as a small C kernel.
+"""Prompt attention for pooling steps on CPUs with AVX-512, as a small C kernel.
 
-A pooling step holds whole prompts packed into one row (varlen_attention.py), and each
-prompt attends only to itself. torch's CPU SDPA, called once per prompt, ran a 172-token
-BERT prompt with 12 heads of 32 at about 55 GFLOP/s on this project's 2-core machine,
-after a copy of q, k and v to fp32, and took about a third of an embedding step. This
-kernel does one call per layer for every prompt of the step, split over (prompt, KV
-head) pairs on torch's OpenMP threads. Per pair it packs the keys as
+A pooling step holds whole prompts packed into one row (model/attention/varlen.py), and
+each prompt attends only to itself. torch's CPU SDPA takes one call per prompt, after a
+copy of q, k and v to fp32; this kernel does one call per layer for every prompt of the
+step, split over (prompt, KV head) pairs on torch's OpenMP threads. It runs fp32 on
+AVX-512 and bf16 on AVX512-BF16. In bf16, per pair it packs the keys as
 ``[keys/16][dim/2][16][2]`` and the values as ``[dim/16][keys/2][16][2]``, the layout
-``vdpbf16ps`` reads (one 64-byte load gives two columns of 16 outputs), then per tile of
-8 query rows: the scores for 32 keys at a time in 16 fp32 registers, an exact softmax
-over the whole row (prompts are short enough to hold a tile's scores), probabilities
-rounded to bf16 as flash attention does on GPUs, and the values summed into 8 output
-rows in registers. Bidirectional or causal; grouped-query heads; bf16 in and out, sums
+``vdpbf16ps`` reads, then per tile of 8 query rows: the scores in fp32 registers, an
+exact softmax over the whole row (prompts are short enough to hold a tile's scores),
+probabilities rounded to bf16 as flash attention does on GPUs, and the values summed
+into the output rows in registers. Bidirectional or causal; grouped-query heads; sums
 in fp32. Head sizes must be multiples of 16; the caller keeps SDPA for anything else
-(and for sliding windows and fp32 models).
+and for sliding windows.
 
 Built from ``csrc/varlen.c`` for the CPU it runs on (build.py) and checked against SDPA
 when it loads; ``load_varlen_kernel`` returns None on CPUs without AVX-512 or without a
-compiler, or where it disagrees.
+compiler, or where it disagrees. Measured speed: docs/benchmarks.md.
 """
 
 from __future__ import annotations
