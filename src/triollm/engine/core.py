@@ -8,8 +8,8 @@ the whole loop body; the async engine calls its three parts separately so that
 
 Request ids: callers name their requests, and a name may not be reused while its
 request is in flight. Inside, everything is keyed by ids the engine makes,
-``"<request_id>-<n>"`` with ``n`` unique in this process (request_ids.py): one for the
-request and one for each of its ``n`` samples. So no name a client chooses can collide with another
+``"<request_id>-<n>"`` with ``n`` unique to this engine (an ``IdSequence`` of
+request_ids.py): one for the request and one for each of its ``n`` samples. So no name a client chooses can collide with another
 request's samples, and an abort by engine id reaches only its own request.
 """
 
@@ -34,7 +34,7 @@ from triollm.engine.stats_collector import StatsCollector
 from triollm.lora.request import LoRARequest
 from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from triollm.pooling_params import PoolingParams
-from triollm.request_ids import engine_request_id
+from triollm.request_ids import IdSequence
 from triollm.sampling_params import SamplingParams
 from triollm.step import ModelRunner, RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -74,6 +74,7 @@ class EngineCore:
         self.max_logprobs = self.intake.max_logprobs
         self.eos_token_ids = self.output_processor.eos_token_ids
         self.requests = RequestRegistry()
+        self._ids = IdSequence()
         self._failures: list[RequestFailure] = []
         self.stats = StatsCollector(config.model.served_model_name,
                                     config.observability.collect_detailed_traces)
@@ -150,7 +151,7 @@ class EngineCore:
                                  f"loaded; add_lora() it first")
             lora = self.loras.lookup(lora_request)
         parent = self.intake.build(
-            request_id, lambda: engine_request_id(request_id), prompt, params,
+            request_id, lambda: self._ids.next_id(request_id), prompt, params,
             arrival_time=arrival_time, priority=priority,
             is_latency_sensitive=is_latency_sensitive, slo=slo, ttft_slo=ttft_slo,
             lora=lora, trace_headers=trace_headers)

@@ -1,7 +1,7 @@
 """The requests in flight in one ``EngineCore``, by the callers' ids and the engine's.
 
 A caller names its request; inside, everything is keyed by the ids the engine makes
-(``request_ids.engine_request_id``): one for the request (a ``ParentRequest``) and one for
+(``request_ids.IdSequence``): one for the request (a ``ParentRequest``) and one for
 each of its samples (a ``Request``). A caller's id maps to the engine id of its request
 in flight, so a name may not be reused while that request runs, and an abort by engine
 id reaches only its own request.
