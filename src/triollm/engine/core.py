@@ -9,8 +9,9 @@ the whole loop body; the async engine calls its three parts separately so that
 Request ids: callers name their requests, and a name may not be reused while its
 request is in flight. Inside, everything is keyed by ids the engine makes,
 ``"<request_id>-<n>"`` with ``n`` unique to this engine (an ``IdSequence`` of
-request_ids.py): one for the request and one for each of its ``n`` samples. So no name a client chooses can collide with another
-request's samples, and an abort by engine id reaches only its own request.
+request_ids.py): one for the request and one for each of its ``n`` samples. So no
+name a client chooses can collide with another request's samples, and an abort by
+engine id reaches only its own request.
 """
 
 from __future__ import annotations
