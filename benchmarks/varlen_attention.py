@@ -1,5 +1,5 @@
 """Pooling-step attention alone: the C kernel (model/cpu/varlen.py) against SDPA called
-once per run of equal-length prompts (what varlen_attention.py calls where the kernel
+once per run of equal-length prompts (what model/attention/varlen.py calls where the kernel
 does not apply), on the same packed row.
 
 One attention layer of ``--heads`` heads over ``--prompts`` prompts of random lengths

@@ -127,7 +127,7 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
     """A compiled bf16 Llama multiplies q, k and v in one call and gate and up in
     another, over weights stored once, and gives what it gives without the grouping."""
     if load_gemm() is None:
-        pytest.skip("layers are grouped on cpu_gemm.py's layout only (AVX512-BF16)")
+        pytest.skip("layers are grouped on model/cpu/gemm.py's layout only (AVX512-BF16)")
     calls: list[int] = []
     linear = packed_linear._linear
 
@@ -174,7 +174,7 @@ def _graph_of_calls(inputs: list[int], handles: list[int]) -> torch.fx.Graph:
 
 def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> None:
     if load_gemm() is None:
-        pytest.skip("layers are grouped on cpu_gemm.py's layout only (AVX512-BF16)")
+        pytest.skip("layers are grouped on model/cpu/gemm.py's layout only (AVX512-BF16)")
     layers = [packed_linear.PackedLinear(torch.randn(16, 8).bfloat16(), None)
               for _ in range(3)]
     x = torch.randn(2, 8).bfloat16()

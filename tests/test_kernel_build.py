@@ -20,7 +20,6 @@ import pytest
 from triollm.model.cpu import build as native_build
 from triollm.model.cpu import decode as cpu_decode
 from triollm.model.cpu import gemm as cpu_gemm
-from triollm.model.cpu import helpers as cpu_helpers
 from triollm.model.cpu import varlen as cpu_varlen
 
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
@@ -59,11 +58,37 @@ def _failing_compiler(tmp_path: Path) -> Path:
     return script
 
 
+def _claim_every_instruction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a CPU with AVX-512 and AVX512-BF16, which builds every kernel."""
+    flags = native_build.cpu_flags() | {"avx512f", "avx512_bf16"}
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: flags)
+
+
+def test_a_cpu_without_a_kernels_instructions_does_not_build_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not an error, even in strict mode with a compiler that fails: there is nothing
+    this CPU could run."""
+    flags = native_build.cpu_flags() - {"avx512f", "avx512_bf16"} | {"sse2"}
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: flags)
+    monkeypatch.setenv("TRIOLLM_STRICT_KERNELS", "1")
+    monkeypatch.setenv("TRIOLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(_failing_compiler(tmp_path)))
+    for load in (cpu_gemm.load_gemm, cpu_varlen.load_varlen_kernel):
+        load.cache_clear()
+        try:
+            assert load() is None
+        finally:
+            load.cache_clear()
+    assert not list(tmp_path.rglob("*.so"))
+
+
 @pytest.mark.parametrize("load", [cpu_decode.load_kernel, cpu_gemm.load_gemm,
                                   cpu_varlen.load_varlen_kernel],
                          ids=["decode", "gemm", "varlen"])
 def test_a_kernel_that_fails_to_build_is_an_error_in_strict_mode(
         load: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU that has what each kernel needs."""
+    _claim_every_instruction(monkeypatch)
     monkeypatch.setenv("TRIOLLM_STRICT_KERNELS", "1")
     monkeypatch.setenv("TRIOLLM_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(_failing_compiler(tmp_path)))
@@ -78,6 +103,7 @@ def test_a_kernel_that_fails_to_build_is_an_error_in_strict_mode(
 def test_a_kernel_that_fails_to_build_warns_naming_the_slower_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
+    _claim_every_instruction(monkeypatch)
     monkeypatch.delenv("TRIOLLM_STRICT_KERNELS", raising=False)
     monkeypatch.setenv("TRIOLLM_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(_failing_compiler(tmp_path)))
@@ -146,7 +172,6 @@ def test_the_kernels_share_one_pool_and_torchs_openmp_runtime() -> None:
     cpu_decode.CpuDecodeKernel(libraries[1])
     cpu_gemm.CpuGemm(ctypes.CDLL(str(native_build.build("gemm"))))
     assert len(_mapped("libtriollm_pool_")) == 1
-    assert len(cpu_helpers._pools) == 1
     runtime = native_build._openmp_link()[0]
     if runtime == "-fopenmp":
         pytest.skip("torch ships no libgomp of its own here")

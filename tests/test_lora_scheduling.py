@@ -193,3 +193,22 @@ def test_an_adapter_id_names_one_adapter(tokenizer: Any) -> None:
         core.add_request("x", [5, 6], SamplingParams(), lora_request=adapter(3))
     assert core.list_loras() == {1}
     assert core.remove_lora(1) and core.list_loras() == set()
+
+
+def test_a_forgotten_adapter_is_refused_before_the_runner_unloads_it(tokenizer: Any) -> None:
+    """The async engine forgets on the loop and unloads in the model thread, after the
+    steps queued before: between the two no new request may name the adapter, while a
+    request already running with it finishes with it."""
+    core, runner = make_core(tokenizer, max_loras=2)
+    assert core.add_lora(adapter(1)) is True
+    core.add_request("running", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True),
+                     lora_request=adapter(1))
+    core.step()
+    assert core.loras.forget(1) is True
+    assert runner.loaded == {1}  # still in the runner: the queued steps may use it
+    with pytest.raises(ValueError, match="lora_request: adapter 'adapter-1' is not loaded"):
+        core.add_request("late", [5, 6], SamplingParams(), lora_request=adapter(1))
+    while core.has_unfinished_requests():
+        core.step()
+    core.loras.unload(1)
+    assert runner.loaded == set() and core.list_loras() == set()

@@ -109,7 +109,7 @@ static void gemm_job_unit(pool_job* base, int64_t unit, int helper) {
 }
 
 /* triollm_gemm_bf16 on the calling thread and up to `helpers` pool helpers
-   (cpu_helpers.py); `packed` and `bias` must outlive the pool's next drain. */
+   (model/cpu/helpers.py); `packed` and `bias` must outlive the pool's next drain. */
 void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const float* bias,
                               uint16_t* y, int64_t m, int64_t n, int64_t k, int helpers)
 {

@@ -180,7 +180,9 @@ class AsyncEngineAPI:
         it was not added."""
         core, worker = self._running_core()
         core.loras.runner()  # ValueError without enable_lora
-        return await worker.run_sync(core.remove_lora, lora_id)
+        removed = core.loras.forget(lora_id)
+        await worker.run_sync(core.loras.unload, lora_id)
+        return removed
 
     async def list_loras(self) -> set[int]:
         """The ids of the adapters added (and not removed)."""

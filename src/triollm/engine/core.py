@@ -145,12 +145,7 @@ class EngineCore:
             raise ValueError(f"request_id: must be a string, got {request_id!r}")
         if self.requests.in_flight(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        lora = None
-        if lora_request is not None:
-            if not self.loras.has(lora_request):
-                raise ValueError(f"lora_request: adapter {lora_request.lora_name!r} is not "
-                                 f"loaded; add_lora() it first")
-            lora = self.loras.lookup(lora_request)
+        lora = None if lora_request is None else self.loras.lookup(lora_request)
         parent = self.intake.build(
             request_id, lambda: self._ids.next_id(request_id), prompt, params,
             arrival_time=arrival_time, priority=priority,
@@ -216,8 +211,9 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         self._step_started = now = self.clock()
         output = self.scheduler.schedule()
+        sample_of = self.requests.sample
         for item in output.scheduled:
-            sample = self.requests.sample(item.request_id)
+            sample = sample_of(item.request_id)
             assert sample is not None
             metrics = sample.metrics
             if metrics.first_scheduled_time is None:
@@ -242,11 +238,12 @@ class EngineCore:
         finished: dict[RequestStatus, list[str]] = {}
         failed: dict[str, tuple[ParentRequest, str]] = {}
         pooled: list[PoolingRequestOutput[PoolingOutput]] = []
+        sample_of, parent_of = self.requests.sample, self.requests.parent_of
         for item in scheduler_output.scheduled:
-            request = self.requests.sample(item.request_id)
+            request = sample_of(item.request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
-            parent = self.requests.parent_of(request.request_id)
+            parent = parent_of(request.request_id)
             error = runner_output.failed.get(item.request_id)
             if error is None and parent.pooling:
                 data = runner_output.pooled.get(item.request_id)
@@ -304,7 +301,8 @@ class EngineCore:
             return False, None
         request.append_output_token(token)
         metrics = request.metrics
-        self.stats.token(request, now)
+        if self.stats.enabled:
+            self.stats.token(request, now)
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now

@@ -1,10 +1,13 @@
 """The LoRA adapters an engine serves: which are added, and the version of each one's
 weights.
 
-``EngineCore`` owns one ``LoRARegistry``. ``add`` and ``remove`` each do the whole job in
-one call (check, load or drop in the runner, record), so the async engine runs that one
-call in the model thread, where the runner's weights live; the event loop only reads
-(``has``, ``lookup``), and each adapter's entry is replaced in one assignment.
+``EngineCore`` owns one ``LoRARegistry``. ``add`` does the whole job in one call (check,
+load in the runner, record), so the async engine runs it in the model thread, where the
+runner's weights live; each adapter's entry is replaced in one assignment, so the event
+loop, which reads (``has``, ``lookup``), sees an adapter whole or not at all. A removal
+is ``forget`` on the loop, at once (no request accepted after it names the adapter),
+then ``unload`` in the model thread, after the steps queued before it; ``remove`` does
+both for a caller that owns the thread.
 """
 
 from __future__ import annotations
@@ -45,12 +48,20 @@ class LoRARegistry:
         return True
 
     def remove(self, lora_id: int) -> bool:
-        """Forget an adapter and drop it from the runner; requests in flight with it
+        """``forget`` then ``unload``. False if it was not added."""
+        removed = self.forget(lora_id)
+        self.unload(lora_id)
+        return removed
+
+    def forget(self, lora_id: int) -> bool:
+        """Take an adapter off the list new requests may name; requests in flight with it
         finish with it. False if it was not added."""
-        removed = self._adapters.pop(lora_id, None) is not None
+        return self._adapters.pop(lora_id, None) is not None
+
+    def unload(self, lora_id: int) -> None:
+        """Drop an adapter's weights from the runner (in the runner's thread)."""
         if self._runner is not None:
             self._runner.remove_lora(lora_id)
-        return removed
 
     def ids(self) -> set[int]:
         return set(self._adapters)
@@ -63,8 +74,15 @@ class LoRARegistry:
         return known is not None and _same_adapter(known[0], lora_request)
 
     def lookup(self, lora_request: LoRARequest) -> tuple[LoRARequest, int]:
-        """The adapter a request runs with, as it was added, and its weights' version."""
-        return self._adapters[lora_request.lora_int_id]
+        """The adapter a request runs with, as it was added, and its weights' version;
+        ``ValueError`` if it is not added (or no longer: read once, so a removal in
+        another thread cannot land between a check and the read)."""
+        self._needs_load(lora_request)
+        known = self._adapters.get(lora_request.lora_int_id)
+        if known is None or not _same_adapter(known[0], lora_request):
+            raise ValueError(f"lora_request: adapter {lora_request.lora_name!r} is not "
+                             f"loaded; add_lora() it first")
+        return known
 
     def _needs_load(self, lora_request: LoRARequest) -> bool:
         """Check ``lora_request`` against this engine (``ValueError``); True if the

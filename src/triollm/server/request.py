@@ -20,14 +20,12 @@ from fastapi import Request
 
 from triollm.engine.inputs import PromptType, TokensPrompt
 from triollm.engine.tracing import trace_headers_from
-from triollm.errors import EngineClosedError
 from triollm.pooling_params import PoolingParams
 from triollm.request_ids import engine_request_id, random_request_id
 from triollm.sampling_params import SamplingParams, check_text
 from triollm.server.errors import (
     OpenAIError,
     bad_request,
-    engine_unavailable,
     remember_request_id,
 )
 from triollm.server.protocol import CompletionRequest, PoolingFields, SamplingRequest
@@ -115,8 +113,7 @@ def generation_request(state: ServerState, request: Request, body: SamplingReque
                        request_id: str, reply: ReplyOptions) -> GenerationRequest:
     """The request ``body`` makes of ``prompts``: each tokenized and checked against the
     limits (400s naming the field); a 503 while the server shuts down."""
-    if state.shutting_down:
-        raise engine_unavailable(EngineClosedError("shutting down"))
+    state.require_accepting()
     special = body.add_special_tokens if isinstance(body, CompletionRequest) else True
     ready = tuple(tokenized(state, prompt, body.cache_salt, special) for prompt in prompts)
     for prompt in ready:
@@ -134,8 +131,7 @@ def encode_request(state: ServerState, request: Request, body: PoolingFields,
                    ) -> EncodeRequest:
     """The pooling request ``body`` makes of ``prompts``; a 503 while the server shuts
     down."""
-    if state.shutting_down:
-        raise engine_unavailable(EngineClosedError("shutting down"))
+    state.require_accepting()
     return EncodeRequest(
         request_id=request_id, engine_ids=tuple(engine_request_id(request_id) for _ in prompts),
         prompts=tuple(prompts), params=params, priority=body.priority,

@@ -12,8 +12,9 @@ import anyio
 from fastapi import Request
 
 from triollm.entrypoints.chat_utils import ContentFormat, render_chat
+from triollm.errors import EngineClosedError
 from triollm.lora.request import LoRARequest
-from triollm.server.errors import OpenAIError, bad_request
+from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -120,6 +121,11 @@ class ServerState:
     def lora_for(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model)."""
         return None if name is None else self.loras.get(name)
+
+    def require_accepting(self) -> None:
+        """503 while the server shuts down: no new request enters the engine."""
+        if self.shutting_down:
+            raise engine_unavailable(EngineClosedError("shutting down"))
 
     def require_generation(self) -> None:
         """400 unless the engine runs a generation model."""

@@ -56,20 +56,22 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-Wall", "-Wex
 @dataclass(frozen=True)
 class KernelSource:
     """A kernel library: ``csrc/<stem>.c``, whether it links the helper pool, and the C
-    function (if any) that returns 0 where this CPU lacks what it needs (``needs``)."""
+    function (if any) that returns 0 where this CPU lacks what it needs (``needs``, the
+    /proc/cpuinfo flag ``cpu_flag``: a CPU known to lack it does not build it at all)."""
 
     stem: str
     pooled: bool
     supported: str | None = None
     needs: str = ""
+    cpu_flag: str = ""
 
 
 KERNELS = {
     "decode": KernelSource("decode", pooled=True),
     "gemm": KernelSource("gemm", pooled=True, supported="triollm_gemm_supported",
-                         needs="AVX512-BF16"),
+                         needs="AVX512-BF16", cpu_flag="avx512_bf16"),
     "varlen": KernelSource("varlen", pooled=False, supported="triollm_varlen_supported",
-                           needs="AVX-512"),
+                           needs="AVX-512", cpu_flag="avx512f"),
 }
 
 
@@ -201,13 +203,12 @@ def load_pool() -> ctypes.CDLL:
     return ctypes.CDLL(str(_pool_path()))
 
 
-def load_library(stem: str, what: str, fallback: str,
-                 flags: list[str] | None = None) -> ctypes.CDLL | None:
+def load_library(stem: str, what: str, fallback: str) -> ctypes.CDLL | None:
     """``build`` and load; None where that fails (no C compiler, say), with a warning
     "building the ``what`` failed ... ``fallback`` runs instead" (strict mode: raises
     ``KernelBuildError``)."""
     try:
-        return ctypes.CDLL(str(build(stem, flags)))
+        return ctypes.CDLL(str(build(stem)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = (getattr(error, "stderr", "") or "").strip()[:500]
         if strict():
@@ -222,9 +223,14 @@ def load_checked(stem: str, what: str, wrap: Callable[[ctypes.CDLL], Kernel],
     """``load_library``; then None without a warning where the kernel's ``supported``
     function says this CPU lacks what it needs; else ``wrap(library)``, or None with a
     warning naming ``fallback`` where ``agrees`` rejects its answers (strict mode:
-    raises ``KernelBuildError``)."""
+    raises ``KernelBuildError``). A CPU known to lack the kernel's instructions builds
+    nothing."""
+    source = KERNELS[stem]
+    known = cpu_flags()
+    if source.cpu_flag and known and source.cpu_flag not in known:
+        return None
     library = load_library(stem, what, fallback)
-    supported = KERNELS[stem].supported
+    supported = source.supported
     if library is None or (supported is not None and not getattr(library, supported)()):
         return None
     kernel = wrap(library)

@@ -51,12 +51,11 @@ import torch
 
 from triollm.model.cpu.build import load_pool
 
-__all__ = ["PooledFunction", "drain_pools", "register_pool", "set_spare_threads",
-           "spare_threads"]
+__all__ = ["PooledFunction", "drain_pools", "set_spare_threads", "spare_threads"]
 
 _local = threading.local()
-_pools: dict[int, Any] = {}  # the pool's drain function by its address: one pool
-_pools_lock = threading.Lock()
+#: The pool's ``triollm_pool_drain``, once a kernel that may use the pool has loaded.
+_drain: Any = None
 
 
 def spare_threads() -> int:
@@ -74,13 +73,14 @@ def set_spare_threads(count: int) -> None:
     _local.count = count
 
 
-def register_pool(library: ctypes.CDLL) -> None:
-    """Note the pool's library (``build.load_pool``), for ``drain_pools``."""
-    drain = library.triollm_pool_drain
-    drain.restype = ctypes.c_int
-    address = ctypes.cast(drain, ctypes.c_void_p).value or 0
-    with _pools_lock:
-        _pools.setdefault(address, drain)
+def _use_pool() -> None:
+    """Note that kernels on the pool (``build.load_pool``: one per process) may run, for
+    ``drain_pools``."""
+    global _drain
+    if _drain is None:
+        drain = load_pool().triollm_pool_drain
+        drain.restype = ctypes.c_int
+        _drain = drain
 
 
 class PooledFunction:
@@ -96,7 +96,7 @@ class PooledFunction:
         for function in (self._plain, self._pooled):
             function.argtypes = argtypes
             function.restype = restype
-        register_pool(load_pool())
+        _use_pool()
 
     def __call__(self, *args: Any) -> Any:
         helpers = spare_threads()
@@ -108,7 +108,5 @@ class PooledFunction:
 def drain_pools() -> None:
     """Wait until no helper still reads memory an earlier call pointed it at (weights, a
     KV cache): call it before freeing such memory."""
-    with _pools_lock:
-        drains = list(_pools.values())
-    for drain in drains:
-        drain()
+    if _drain is not None:
+        _drain()

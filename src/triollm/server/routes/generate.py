@@ -9,13 +9,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from triollm.engine.tracing import trace_headers_from
-from triollm.errors import EngineClosedError
 from triollm.request_ids import engine_request_id, random_request_id
 from triollm.sampling_params import SamplingParams
 from triollm.server.errors import (
     OpenAIError,
     bad_request,
-    engine_unavailable,
     remember_request_id,
 )
 from triollm.server.generation import open_streams, outputs
@@ -33,8 +31,7 @@ router = APIRouter()
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
     state = server_state(request)
-    if state.shutting_down:
-        raise engine_unavailable(EngineClosedError("shutting down"))
+    state.require_accepting()
     state.require_generation()
     extra = dict(body.model_extra or {})
     if "output_kind" in extra:
