@@ -70,10 +70,11 @@ def server_in_thread(engine: AsyncLLMEngine, **options: Any) -> Iterator[Threade
 
 
 @contextmanager
-def server_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """``python -m triollm serve ARGS --host 127.0.0.1 --port 0``; yields the process and
-    its URL."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def server_process(*args: str, env: dict[str, str] | None = None
+                   ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``python -m triollm serve ARGS --host 127.0.0.1 --port 0`` (``env`` over this
+    process's environment); yields the process and its URL."""
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     if "--optimization-level" not in args:  # see conftest.eager_models_by_default
         args = (*args, "--optimization-level", "0")
     process = subprocess.Popen(

@@ -5,7 +5,8 @@ As ``vllm serve``: flags may be spelled with underscores (``--max_num_seqs``), t
 counts may be human-readable (``--max-model-len 32k``), ``--config FILE.yaml`` reads
 flags from a YAML mapping (the command line wins), and vLLM's flags that triollm does
 not implement fail with a message that says so (``triollm.refused_flags``) unless
-they ask for what triollm does anyway.
+they ask for what triollm does anyway. vLLM's ``VLLM_*`` environment variables are
+honoured, refused or noted before anything loads (``triollm.vllm_env``).
 """
 
 from __future__ import annotations
@@ -13,17 +14,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from triollm.engine.args import AsyncEngineArgs, EngineArgs
 from triollm.entrypoints.chat_utils import CONTENT_FORMATS
 from triollm.refused_flags import add_refused_flags
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
+from triollm.vllm_env import (
+    VllmEnvironment,
+    apply_cpu_binding,
+    configure_logging,
+    read_vllm_environment,
+)
 
 if TYPE_CHECKING:
     from triollm.server.routes.lora import LoRAModulePath
@@ -166,6 +174,7 @@ def engine_args_from_namespace(namespace: argparse.Namespace,
 def _generate(namespace: argparse.Namespace) -> int:
     from triollm import LLM, SamplingParams
 
+    apply_cpu_binding(_environment(namespace))
     args = engine_args_from_namespace(namespace)
     llm = LLM(**dataclasses.asdict(args))
     params = SamplingParams(max_tokens=namespace.max_tokens, temperature=namespace.temperature,
@@ -175,17 +184,21 @@ def _generate(namespace: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(namespace: argparse.Namespace) -> int:
-    import logging
+def _environment(namespace: argparse.Namespace) -> VllmEnvironment:
+    environment = getattr(namespace, "vllm_environment", None)
+    return environment if environment is not None else VllmEnvironment()
 
+
+def _serve(namespace: argparse.Namespace) -> int:
     from triollm.engine.async_engine import AsyncLLMEngine
     from triollm.server.serve import serve_blocking
 
     if namespace.model_tag is not None:
         namespace.model = namespace.model_tag
     options = server_options_from_namespace(namespace)
-    logging.basicConfig(level=options.log_level.upper(),
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    environment = _environment(namespace)
+    configure_logging(environment, options.log_level)
+    apply_cpu_binding(environment)
     args = engine_args_from_namespace(namespace, AsyncEngineArgs)
     assert isinstance(args, AsyncEngineArgs)
     if options.lora_modules and not args.enable_lora:
@@ -269,7 +282,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
                         help="listen on this Unix domain socket instead of --host/--port")
     server.add_argument("--api-key", nargs="+", default=None,
                         help="require `Authorization: Bearer KEY` with one of these keys "
-                             "on every route but /health, /ping and /metrics")
+                             "on every route but /health, /ping and /metrics (default: "
+                             "$VLLM_API_KEY, as vLLM)")
     server.add_argument("--root-path", default="",
                         help="the path prefix a proxy serves the API under (ASGI root_path)")
     server.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction,
@@ -328,8 +342,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     add_refused_flags(serve)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``triollm`` argument parser (``serve`` and ``generate``)."""
+def build_parser(defaults: Mapping[str, Any] | None = None) -> argparse.ArgumentParser:
+    """The ``triollm`` argument parser (``serve`` and ``generate``); ``defaults`` (by
+    ``dest``: ``VllmEnvironment.defaults``) replace the flags' own."""
     parser = argparse.ArgumentParser(prog="triollm", description="LLM serving engine")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(commands)
@@ -339,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.8)
     generate.add_argument("--sampling-seed", type=int, default=None)
     add_engine_arguments(generate)
+    for command in commands.choices.values():
+        known = {action.dest for action in command._actions}
+        command.set_defaults(**{k: v for k, v in (defaults or {}).items() if k in known})
     return parser
 
 
@@ -397,8 +415,14 @@ def _flags_from_yaml(path: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    namespace = build_parser().parse_args(
+    try:
+        environment = read_vllm_environment(os.environ)
+    except ValueError as error:
+        print(f"triollm: error: {error}", file=sys.stderr)
+        return 2
+    namespace = build_parser(environment.defaults).parse_args(
         normalize_argv(sys.argv[1:] if argv is None else argv))
+    namespace.vllm_environment = environment
     try:
         handlers: dict[str, Callable[[argparse.Namespace], int]] = {
             "generate": _generate, "serve": _serve}

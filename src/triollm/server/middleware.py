@@ -12,6 +12,7 @@ counts open requests for a graceful shutdown.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -118,13 +119,25 @@ class RequestLifetime:
                 500, f"Internal server error: {type(error).__name__}", "InternalServerError"))
 
     def _authorized(self, scope: Scope) -> bool:
+        """Whether the request may pass: no key is set, its path (under ``--root-path``)
+        is one of ``OPEN_PATHS``, or it carries ``Authorization: Bearer KEY`` (the
+        scheme in any case) with one of the keys."""
         keys = self.state.settings.api_keys
-        if not keys or scope.get("path") in OPEN_PATHS:
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if not keys or path in OPEN_PATHS:
             return True
         headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"")
-        # every key is compared, so the time taken does not tell which one was close
-        matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        # Digests have one length, and every key is compared, so the time taken tells
+        # neither a key's length nor which one was close.
+        given = hashlib.sha256(token).digest()
+        matches = [hmac.compare_digest(given, hashlib.sha256(key.encode()).digest())
+                   for key in keys]
         return any(matches)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
