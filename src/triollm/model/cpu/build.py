@@ -4,6 +4,12 @@ package data): compiled on first use with the machine's C compiler (``$CC``, els
 (``$TRIOLLM_CACHE/kernels``, else ``~/.cache/triollm/kernels``). A library's file name is
 keyed by its source and the headers, the flags, the compiler's version and the CPU's
 model and feature flags, so a cache carried to another machine is never reused there.
+A library is built in a private (0700) scratch directory beside its final place and
+renamed into it whole. The cache is only loaded from while nobody else could have
+written it (private_cache.py): a directory or library another user owns or may write
+raises ``KernelBuildError`` in strict mode; otherwise a warning names it, and a library
+in a trusted directory is built again, while an untrusted directory gives way to a
+private temporary one for this process.
 ``python -m triollm.model.cpu.build`` builds every kernel by hand and says which this
 CPU runs.
 
@@ -25,11 +31,13 @@ or torch version, on the engine's start.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,9 +47,15 @@ from functools import cache
 from pathlib import Path
 from typing import TypeVar
 
+from triollm.model.cpu.private_cache import (
+    make_private_directory,
+    untrusted_directory,
+    untrusted_library,
+)
+
 __all__ = ["CSRC", "FLAGS", "KERNELS", "KernelBuildError", "KernelSource", "build",
            "compile_only", "cpu_flags", "cpu_signature", "load_checked", "load_library",
-           "load_pool", "strict"]
+           "load_pool", "pool_name", "strict"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +90,8 @@ KERNELS = {
 
 
 class KernelBuildError(RuntimeError):
-    """A kernel failed to build or to pass its load-time check (strict mode only)."""
+    """A kernel failed to build or to pass its load-time check, or the cache is not to
+    be trusted (strict mode only)."""
 
 
 def strict() -> bool:
@@ -145,23 +160,64 @@ def _key(*parts: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+def _distrust(message: str) -> None:
+    """Strict mode: raise ``message``; otherwise the caller works around it."""
+    if strict():
+        raise KernelBuildError(message)
+
+
+@cache
+def _private_fallback(wanted: str) -> Path:
+    directory = Path(tempfile.mkdtemp(prefix="triollm-kernels-"))  # 0700
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    logger.warning("kernels are built into %s for this process instead of %s", directory,
+                   wanted)
+    return directory
+
+
+def _trusted_cache_dir() -> Path:
+    """The cache directory, made private where missing; one not to be trusted raises
+    ``KernelBuildError`` (strict mode) or gives way to a private temporary directory."""
+    wanted = _cache_dir()
+    make_private_directory(wanted)
+    reason = untrusted_directory(wanted)
+    if reason is None:
+        return wanted
+    message = f"the kernel cache {wanted} is not safe to load libraries from: {reason}"
+    _distrust(message)
+    logger.warning("%s", message)
+    return _private_fallback(str(wanted))
+
+
 def _install(name: str, make: Callable[[Path], None]) -> Path:
-    """``name`` in the cache, made by ``make(path)`` in a scratch directory unless there."""
-    target = _cache_dir() / name
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+    """``name`` in the cache, made by ``make(path)`` in a private scratch directory
+    (0700) beside it unless a trusted file is there already."""
+    directory = _trusted_cache_dir()
+    target = directory / name
+    if os.path.lexists(target):
+        reason = untrusted_library(target)
+        if reason is None:
+            return target
+        _distrust(f"the kernel library {target} is not safe to load: {reason}")
+        logger.warning("the kernel library %s is not safe to load (%s); building it again",
+                       target, reason)
+    with tempfile.TemporaryDirectory(dir=directory) as work:
         built = Path(work) / name
         make(built)
+        os.chmod(built, 0o700)
         os.replace(built, target)  # atomic: concurrent builders each install a whole file
     return target
 
 
+def pool_name() -> str:
+    """The helper pool library's file name in the cache."""
+    flags = [flag for flag in FLAGS if flag != "-fopenmp"]
+    return f"libtriollm_pool_{_key((CSRC / 'pool.c').read_text(), ' '.join(flags))}.so"
+
+
 def _pool_path() -> Path:
     flags = [flag for flag in FLAGS if flag != "-fopenmp"]
-    source = (CSRC / "pool.c").read_text()
-    name = f"libtriollm_pool_{_key(source, ' '.join(flags))}.so"
+    name = pool_name()
 
     def make(built: Path) -> None:
         _run([_compiler(), *flags, "-shared", f"-Wl,-soname,{name}", f"-I{CSRC}",
