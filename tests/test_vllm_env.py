@@ -203,6 +203,12 @@ def test_every_honoured_variable_has_a_check() -> None:
     assert honoured == set(HONOURED)
 
 
+def test_docs_have_a_row_for_every_variable() -> None:
+    guide = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    rows = dict(re.findall(r"^\| `(VLLM_\w+)` \| (\w+)", guide, re.MULTILINE))
+    assert rows == {name: v.kind for name, v in VLLM_VARIABLES.items()}
+
+
 def test_an_unknown_vllm_variable_is_accepted_with_a_warning_naming_it(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("VLLM_NOT_A_VARIABLE", "secret-value")
