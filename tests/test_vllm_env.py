@@ -263,3 +263,26 @@ def test_a_core_list_binds_the_process(monkeypatch: pytest.MonkeyPatch,
     namespace = parse(monkeypatch, {"VLLM_CPU_OMP_THREADS_BIND": str(core)})
     apply_cpu_binding(namespace.vllm_environment)
     assert os.sched_getaffinity(0) == {core}
+
+
+@pytest.mark.parametrize(("path", "root_path", "authorization", "passes"), [
+    ("/api/health", "/api", b"", True),
+    ("/health", "/api", b"", True),
+    ("/api/v1/models", "/api", b"", False),
+    ("/api/v1/models", "/api", b"bearer k2", True),
+    ("/v1/models", "", b"BEARER k1", True),
+    ("/v1/models", "", b"Basic k1", False),
+    ("/v1/models", "", b"Bearer k1 ", False),
+    ("/healthz", "", b"", False),
+])
+def test_the_key_check_reads_open_paths_below_the_root_path_and_any_scheme_case(
+        path: str, root_path: str, authorization: bytes, passes: bool) -> None:
+    from types import SimpleNamespace
+
+    from triollm.server.middleware import RequestLifetime
+
+    state = SimpleNamespace(settings=ServerSettings(("m",), api_keys=("k1", "k2")))
+    lifetime = RequestLifetime(cast(Any, None), cast(Any, state))
+    scope = {"type": "http", "path": path, "root_path": root_path,
+             "headers": [(b"authorization", authorization)] if authorization else []}
+    assert lifetime._authorized(scope) is passes
