@@ -224,7 +224,8 @@ def test_an_unknown_vllm_variable_is_accepted_with_a_warning_naming_it(
 
 @pytest.mark.parametrize(("env", "message"), [
     ({"VLLM_CPU_KVCACHE_SPACE": "lots"}, "VLLM_CPU_KVCACHE_SPACE=lots: expected a number"),
-    ({"VLLM_CPU_KVCACHE_SPACE": "-1"}, "must not be negative"),
+    ({"VLLM_CPU_KVCACHE_SPACE": "-1"}, "not negative"),
+    ({"VLLM_CPU_KVCACHE_SPACE": "inf"}, "must be a finite number"),
     ({"VLLM_LOGGING_LEVEL": "loud"}, "VLLM_LOGGING_LEVEL=loud"),
     ({"VLLM_TARGET_DEVICE": "tpu"}, "VLLM_TARGET_DEVICE=tpu"),
     ({"VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7"}, "triollm runs one"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import logging.config
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 _OFF = ("0", "false")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
+_LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 
 
 @dataclass(frozen=True)
@@ -241,8 +242,8 @@ def _number(name: str, text: str, kind: type[int] | type[float]) -> Any:
         value = kind(text)
     except ValueError:
         raise ValueError(f"{name}={text[:100]}: expected a number") from None
-    if value < 0:
-        raise ValueError(f"{name}={text[:100]}: must not be negative")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={text[:100]}: must be a finite number, not negative")
     return value
 
 
@@ -300,7 +301,7 @@ def configure_logging(environment: VllmEnvironment, level: str) -> None:
             raise ValueError(f"VLLM_LOGGING_CONFIG_PATH: {error}") from None
     elif environment.configure_logging:
         logging.basicConfig(level=level.upper(),
-                            format=environment.logging_prefix + LOG_FORMAT)
+                            format=environment.logging_prefix + _LOG_FORMAT)
     for note in environment.notes:
         logger.info("%s", note)
     for name in environment.unknown:
