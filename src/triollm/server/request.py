@@ -108,14 +108,16 @@ def request_id_for(request: Request, body: _NamesItsId, prefix: str) -> str:
                                or random_request_id(prefix))
 
 
-def generation_request(state: ServerState, request: Request, body: SamplingRequest,
-                       prompts: Sequence[PromptType], params: SamplingParams,
-                       request_id: str, reply: ReplyOptions) -> GenerationRequest:
-    """The request ``body`` makes of ``prompts``: each tokenized and checked against the
-    limits (400s naming the field); a 503 while the server shuts down."""
+async def generation_request(state: ServerState, request: Request, body: SamplingRequest,
+                             prompts: Sequence[PromptType], params: SamplingParams,
+                             request_id: str, reply: ReplyOptions) -> GenerationRequest:
+    """The request ``body`` makes of ``prompts``: each tokenized (in a worker thread)
+    and checked against the limits (400s naming the field); a 503 while the server
+    shuts down."""
     state.require_accepting()
     special = body.add_special_tokens if isinstance(body, CompletionRequest) else True
-    ready = tuple(tokenized(state, prompt, body.cache_salt, special) for prompt in prompts)
+    ready = tuple([await tokenized(state, prompt, body.cache_salt, special)
+                   for prompt in prompts])
     for prompt in ready:
         check_limits(state, prompt, params)
     return GenerationRequest(
@@ -138,10 +140,11 @@ def encode_request(state: ServerState, request: Request, body: PoolingFields,
         trace_headers=trace_headers_from(request.headers))
 
 
-def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None,
-              add_special_tokens: bool = True) -> TokensPrompt:
-    """A prompt as token ids (its text kept), so its length can be checked here;
-    ``add_special_tokens`` as vLLM's completions field (the tokenizer's BOS, for most)."""
+async def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None,
+                    add_special_tokens: bool = True) -> TokensPrompt:
+    """A prompt as token ids (its text kept; tokenized in a worker thread), so its
+    length can be checked here; ``add_special_tokens`` as vLLM's completions field (the
+    tokenizer's BOS, for most)."""
     if isinstance(prompt, str):
         try:
             check_text("prompt", prompt)
@@ -149,8 +152,8 @@ def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None,
             raise bad_request(error) from error
         if not prompt:
             raise OpenAIError(400, "prompt: must not be empty", param="prompt")
-        ready = TokensPrompt(prompt_token_ids=state.engine.tokenizer.encode(
-            prompt, add_special_tokens=add_special_tokens), prompt=prompt)
+        ready = TokensPrompt(prompt_token_ids=await state.encode(prompt, add_special_tokens),
+                             prompt=prompt)
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ready = TokensPrompt(prompt_token_ids=list(cast(TokensPrompt, prompt)["prompt_token_ids"]))
     else:

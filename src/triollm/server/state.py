@@ -16,6 +16,7 @@ from triollm.errors import EngineClosedError
 from triollm.lora.request import LoRARequest
 from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
+from triollm.server.offload import Offload
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ class ServerSettings:
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     chat_template: str | None = None
     chat_template_content_format: ContentFormat = "auto"
+    #: vLLM's --trust-request-chat-template: a request may bring its own chat template.
+    trust_request_chat_template: bool = False
     #: vLLM's --return-tokens-as-token-ids: logprob tokens as ``token_id:N``.
     return_tokens_as_token_ids: bool = False
     cors: CorsSettings = CorsSettings()
@@ -89,6 +92,8 @@ class ServerState:
     #: ``/v1/load_lora_adapter``), and the source of their engine ids.
     loras: dict[str, LoRARequest] = field(default_factory=dict)
     lora_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    #: The worker threads that tokenize, render chat templates and detokenize.
+    offload: Offload = field(default_factory=Offload)
 
     def request_started(self) -> None:
         if self.open_requests == 0:
@@ -193,12 +198,32 @@ class ServerState:
             self.warned.add(key)
             logger.warning(message, *args)
 
-    def render_chat_or_400(self, messages: list[ChatMessage], rendering: ChatRendering
-                           ) -> list[int]:
+    def check_request_template(self, rendering: ChatRendering) -> None:
+        """400 for a request's own chat template (``chat_template``, or one passed in
+        ``chat_template_kwargs``) unless the server trusts them, as vLLM."""
+        if self.settings.trust_request_chat_template:
+            return
+        kwargs = rendering.chat_template_kwargs or {}
+        if rendering.chat_template is not None or kwargs.get("chat_template") is not None:
+            param = ("chat_template" if rendering.chat_template is not None
+                     else "chat_template_kwargs.chat_template")
+            raise OpenAIError(400, f"{param}: a chat template is passed with the request, "
+                                   f"but the server was not started with "
+                                   f"--trust-request-chat-template; refused request with "
+                                   f"untrusted chat template.", param=param)
+
+    async def render_chat_or_400(self, messages: list[ChatMessage], rendering: ChatRendering
+                                 ) -> list[int]:
         """Chat messages through the chat template (the request's, the server's or the
-        tokenizer's), as token ids. Whatever fails there (a template that rejects the
-        messages, a content part a text model cannot take, text no tokenizer can
+        tokenizer's), as token ids, in a worker thread. A request's own template needs
+        ``--trust-request-chat-template``. Whatever fails there (a template that rejects
+        the messages, a content part a text model cannot take, text no tokenizer can
         encode) is the request's fault: a 400."""
+        self.check_request_template(rendering)
+        return await self.offload.run(self._render_chat, messages, rendering)
+
+    def _render_chat(self, messages: list[ChatMessage], rendering: ChatRendering
+                     ) -> list[int]:
         try:
             return render_chat(
                 self.engine.tokenizer, [m.model_dump(exclude_none=True) for m in messages],
@@ -218,6 +243,13 @@ class ServerState:
         except Exception as error:
             raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
                               param="messages") from error
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text`` as token ids, in a worker thread."""
+        return await self.offload.run(self._encode, text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def server_state(request: Request) -> ServerState:

@@ -14,7 +14,7 @@ from triollm.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from triollm.server.state import ChatRendering, server_state
+from triollm.server.state import ChatRendering, ServerState, server_state
 
 __all__ = ["router"]
 
@@ -26,9 +26,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = server_state(request)
     state.check_model(body.model)
     state.check_fields(body)
-    tokenizer = state.engine.tokenizer
     if body.messages is not None:
-        tokens = state.render_chat_or_400(body.messages, ChatRendering(
+        tokens = await state.render_chat_or_400(body.messages, ChatRendering(
             chat_template=body.chat_template, add_generation_prompt=body.generation_prompt,
             continue_final_message=body.continue_final_message,
             # for messages vLLM's default is False (the template writes them)
@@ -41,7 +40,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
             check_text("prompt", body.prompt)
         except ValueError as error:
             raise bad_request(error) from error
-        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await state.encode(body.prompt, body.add_special_tokens)
     else:
         raise OpenAIError(400, "prompt: give a prompt or messages", param="prompt")
     return TokenizeResponse(tokens=list(tokens), count=len(tokens),
@@ -53,9 +52,18 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     state = server_state(request)
     state.check_model(body.model)
     state.check_fields(body)
+    max_model_len = state.engine.config.model.max_model_len
+    if len(body.tokens) > max_model_len:
+        # decoding holds the GIL, so even in a thread its length must be bounded
+        raise OpenAIError(400, f"tokens: at most this model's context, {max_model_len} "
+                               f"ids; got {len(body.tokens)}", param="tokens")
+    return DetokenizeResponse(prompt=await state.offload.run(_decode, state, body.tokens))
+
+
+def _decode(state: ServerState, tokens: list[int]) -> str:
     tokenizer = state.engine.tokenizer
     vocab = int(state.engine.config.model.hf_config.vocab_size)
-    if any(not 0 <= t < max(vocab, len(tokenizer)) for t in body.tokens):
+    if any(not 0 <= t < max(vocab, len(tokenizer)) for t in tokens):
         raise OpenAIError(400, "tokens: contains ids outside the vocabulary",
                           param="tokens")
-    return DetokenizeResponse(prompt=decode_text(tokenizer, body.tokens))
+    return decode_text(tokenizer, tokens)
