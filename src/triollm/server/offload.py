@@ -2,22 +2,38 @@
 
 Tokenizing a prompt, rendering a chat template and detokenizing token ids take time in
 proportion to the request. On the event loop that time would stall every other client
-(``/health`` included); here it runs in a few worker threads. The tokenizers release the
-GIL while they encode, and a chat template (pure Python) hands the GIL back to the loop
-at every switch interval, so a thread keeps the loop responsive. Requests beyond the
-threads wait in a bounded queue; past it they are refused with a 503.
+(``/health`` included); here it runs in a few worker threads. A chat template (pure
+Python) hands the GIL back to the loop at every switch interval, and the tokenizers
+release it while they encode, so a thread keeps the loop responsive. A long text is
+encoded in a worker process instead (server/tokenizer_process.py): turning its tokens
+into Python objects and freeing them would hold the GIL in proportion to its length.
+Calls beyond the threads wait in a bounded queue; past it they are refused with a 503.
 """
 
 from __future__ import annotations
 
+import pickle
+import threading
+import uuid
+from array import array
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import anyio.to_process
 import anyio.to_thread
 
+from triollm.server import tokenizer_process
 from triollm.server.errors import OpenAIError
-from triollm.server.limits import MAX_OFFLOAD_WAITING, OFFLOAD_THREADS
+from triollm.server.limits import (
+    LONG_TEXT_CHARS,
+    MAX_OFFLOAD_WAITING,
+    OFFLOAD_PROCESSES,
+    OFFLOAD_THREADS,
+)
+
+if TYPE_CHECKING:
+    from triollm.engine.detokenizer import Tokenizer
 
 __all__ = ["Offload"]
 
@@ -25,22 +41,76 @@ T = TypeVar("T")
 
 
 class Offload:
-    """Runs client-sized functions in ``threads`` worker threads, at most
-    ``max_waiting`` calls queued behind them."""
+    """Runs client-sized work for one tokenizer: functions in ``threads`` worker
+    threads, long texts' encoding in worker processes; at most ``max_waiting`` calls
+    queued behind them."""
 
-    def __init__(self, threads: int = OFFLOAD_THREADS,
-                 max_waiting: int = MAX_OFFLOAD_WAITING) -> None:
-        self._limiter = anyio.CapacityLimiter(threads)
+    def __init__(self, tokenizer: Tokenizer, *, threads: int = OFFLOAD_THREADS,
+                 processes: int = OFFLOAD_PROCESSES, max_waiting: int = MAX_OFFLOAD_WAITING,
+                 long_text: int = LONG_TEXT_CHARS) -> None:
+        self.tokenizer = tokenizer
+        self.long_text = long_text
+        self._threads = anyio.CapacityLimiter(threads)
+        self._processes = anyio.CapacityLimiter(processes)
         self._max_waiting = max_waiting
+        #: Names this tokenizer in the worker processes, which keep it once sent.
+        self._key = uuid.uuid4().hex
+        self._pickled: bytes | None = None
+        self._pickle_lock = threading.Lock()
 
     async def run(self, function: Callable[..., T], *args: object) -> T:
         """``function(*args)`` in a worker thread; a 503 when the queue is full. A
         cancelled caller waits for a call already running (it cannot be stopped)."""
-        if self._limiter.statistics().tasks_waiting >= self._max_waiting:
+        self._check_queue(self._threads)
+        return await anyio.to_thread.run_sync(function, *args, limiter=self._threads)
+
+    async def encode_tail(self, text: str, add_special_tokens: bool, keep: int
+                          ) -> tuple[int, list[int]]:
+        """The number of tokens of ``text`` and its token ids: all of them for a text
+        shorter than ``long_text`` characters, else (a worker process) the last
+        ``keep``."""
+        if len(text) < self.long_text:
+            ids = await self.run(self._encode, text, add_special_tokens)
+            return len(ids), ids
+        count, data = await self._in_process(tokenizer_process.encode_tail, text,
+                                             add_special_tokens, keep)
+        return count, array("q", data).tolist()
+
+    async def encode_json(self, text: str, add_special_tokens: bool) -> tuple[int, bytes]:
+        """The number of tokens of ``text`` and its ids as a JSON list (a long text in a
+        worker process: no Python object per token here)."""
+        if len(text) < self.long_text:
+            ids = await self.run(self._encode, text, add_special_tokens)
+            return len(ids), str(ids).replace(" ", "").encode()
+        return await self._in_process(tokenizer_process.encode_json, text,
+                                      add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def _in_process(self, function: Callable[..., tuple[int, bytes] | None],
+                          *args: Any) -> tuple[int, bytes]:
+        self._check_queue(self._processes)
+        answer = await anyio.to_process.run_sync(function, self._key, None, *args,
+                                                 limiter=self._processes)
+        if answer is None:  # a worker that has not seen this tokenizer yet
+            pickled = await self.run(self._pickle)
+            answer = await anyio.to_process.run_sync(function, self._key, pickled, *args,
+                                                     limiter=self._processes)
+        assert answer is not None, "a worker given the tokenizer answers"
+        return answer
+
+    def _pickle(self) -> bytes:
+        with self._pickle_lock:
+            if self._pickled is None:
+                self._pickled = pickle.dumps(self.tokenizer)
+            return self._pickled
+
+    def _check_queue(self, limiter: anyio.CapacityLimiter) -> None:
+        if limiter.statistics().tasks_waiting >= self._max_waiting:
             raise OpenAIError(503, "The server is busy preparing other requests; retry "
                                    "shortly.", type="ServiceUnavailableError")
-        return await anyio.to_thread.run_sync(function, *args, limiter=self._limiter)
 
     def statistics(self) -> anyio.CapacityLimiterStatistics:
         """The threads in use and the calls waiting for one."""
-        return self._limiter.statistics()
+        return self._threads.statistics()

@@ -116,8 +116,8 @@ async def generation_request(state: ServerState, request: Request, body: Samplin
     shuts down."""
     state.require_accepting()
     special = body.add_special_tokens if isinstance(body, CompletionRequest) else True
-    ready = tuple([await tokenized(state, prompt, body.cache_salt, special)
-                   for prompt in prompts])
+    ready = tuple([await tokenized(state, prompt, body.cache_salt, special,
+                                   params.truncate_prompt_tokens) for prompt in prompts])
     for prompt in ready:
         check_limits(state, prompt, params)
     return GenerationRequest(
@@ -141,10 +141,13 @@ def encode_request(state: ServerState, request: Request, body: PoolingFields,
 
 
 async def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None,
-                    add_special_tokens: bool = True) -> TokensPrompt:
+                    add_special_tokens: bool = True, truncate_to: int | None = None
+                    ) -> TokensPrompt:
     """A prompt as token ids (its text kept; tokenized in a worker thread), so its
     length can be checked here; ``add_special_tokens`` as vLLM's completions field (the
-    tokenizer's BOS, for most)."""
+    tokenizer's BOS, for most). A long text is cut to the tokens the engine can use
+    (``ServerState.encode``), with ``truncate_to`` as the request's
+    ``truncate_prompt_tokens``."""
     if isinstance(prompt, str):
         try:
             check_text("prompt", prompt)
@@ -152,8 +155,8 @@ async def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | No
             raise bad_request(error) from error
         if not prompt:
             raise OpenAIError(400, "prompt: must not be empty", param="prompt")
-        ready = TokensPrompt(prompt_token_ids=await state.encode(prompt, add_special_tokens),
-                             prompt=prompt)
+        ready = TokensPrompt(prompt_token_ids=await state.encode(
+            prompt, add_special_tokens, truncate_to=truncate_to), prompt=prompt)
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ready = TokensPrompt(prompt_token_ids=list(cast(TokensPrompt, prompt)["prompt_token_ids"]))
     else:

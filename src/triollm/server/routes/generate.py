@@ -50,7 +50,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         raise bad_request(error) from error
     if params.n > MAX_N:
         raise OpenAIError(400, f"n: at most {MAX_N}, got {params.n}", param="n")
-    prompt = await tokenized(state, body.prompt, None)
+    prompt = await tokenized(state, body.prompt, None,
+                           truncate_to=params.truncate_prompt_tokens)
     check_limits(state, prompt, params)
     request_id = remember_request_id(request, random_request_id("generate"))
     work = GenerationRequest(

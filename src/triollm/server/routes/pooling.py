@@ -112,7 +112,8 @@ async def _prompts(state: ServerState, body: InputRequest) -> list[PromptType]:
                 raise OpenAIError(400, f"input[{index}]: must not be empty",
                                   param=f"input[{index}]")
             prompts.append(TokensPrompt(prompt_token_ids=await state.encode(
-                item, body.add_special_tokens)))
+                item, body.add_special_tokens, field=f"input[{index}]",
+                truncate_to=body.truncate_prompt_tokens, generating=False)))
         elif isinstance(item, list):
             prompts.append(TokensPrompt(prompt_token_ids=list(item)))
         else:
@@ -233,8 +234,9 @@ async def _scores(state: ServerState, request: Request, body: PoolingFields,
             truncate_prompt_tokens=body.truncate_prompt_tokens))
     except ValueError as error:
         raise bad_request(error) from error
-    prompts = [TokensPrompt(prompt_token_ids=await state.encode(prompt))
-               if isinstance(prompt, str) else prompt for prompt in plan.prompts]
+    prompts = [TokensPrompt(prompt_token_ids=await state.encode(
+        prompt, truncate_to=body.truncate_prompt_tokens, generating=False))
+        if isinstance(prompt, str) else prompt for prompt in plan.prompts]
     outputs = await _encode_all(state, encode_request(state, request, body, prompts,
                                                       params, request_id))
     return plan.scores([output.outputs.data for output in outputs]), _usage(outputs)
