@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import pickle
 import threading
-import uuid
+import weakref
 from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-import anyio.to_process
 import anyio.to_thread
 
-from triollm.server import tokenizer_process
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import (
     LONG_TEXT_CHARS,
@@ -31,6 +29,7 @@ from triollm.server.limits import (
     OFFLOAD_PROCESSES,
     OFFLOAD_THREADS,
 )
+from triollm.server.tokenizer_process import TokenizerProcess
 
 if TYPE_CHECKING:
     from triollm.engine.detokenizer import Tokenizer
@@ -53,10 +52,12 @@ class Offload:
         self._threads = anyio.CapacityLimiter(threads)
         self._processes = anyio.CapacityLimiter(processes)
         self._max_waiting = max_waiting
-        #: Names this tokenizer in the worker processes, which keep it once sent.
-        self._key = uuid.uuid4().hex
         self._pickled: bytes | None = None
-        self._pickle_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._workers: list[TokenizerProcess] = []
+        self._idle: list[TokenizerProcess] = []
+        # the processes end with this object (their stdin closes), or at exit
+        weakref.finalize(self, _close_all, self._workers)
 
     async def run(self, function: Callable[..., T], *args: object) -> T:
         """``function(*args)`` in a worker thread; a 503 when the queue is full. A
@@ -67,13 +68,12 @@ class Offload:
     async def encode_tail(self, text: str, add_special_tokens: bool, keep: int
                           ) -> tuple[int, list[int]]:
         """The number of tokens of ``text`` and its token ids: all of them for a text
-        shorter than ``long_text`` characters, else (a worker process) the last
+        shorter than ``long_text`` characters, else (in a worker process) the last
         ``keep``."""
         if len(text) < self.long_text:
             ids = await self.run(self._encode, text, add_special_tokens)
             return len(ids), ids
-        count, data = await self._in_process(tokenizer_process.encode_tail, text,
-                                             add_special_tokens, keep)
+        count, data = await self._in_process("encode_tail", text, add_special_tokens, keep)
         return count, array("q", data).tolist()
 
     async def encode_json(self, text: str, add_special_tokens: bool) -> tuple[int, bytes]:
@@ -82,29 +82,33 @@ class Offload:
         if len(text) < self.long_text:
             ids = await self.run(self._encode, text, add_special_tokens)
             return len(ids), str(ids).replace(" ", "").encode()
-        return await self._in_process(tokenizer_process.encode_json, text,
-                                      add_special_tokens)
+        return await self._in_process("encode_json", text, add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    async def _in_process(self, function: Callable[..., tuple[int, bytes] | None],
-                          *args: Any) -> tuple[int, bytes]:
+    async def _in_process(self, name: str, *args: object) -> tuple[int, bytes]:
         self._check_queue(self._processes)
-        answer = await anyio.to_process.run_sync(function, self._key, None, *args,
-                                                 limiter=self._processes)
-        if answer is None:  # a worker that has not seen this tokenizer yet
-            pickled = await self.run(self._pickle)
-            answer = await anyio.to_process.run_sync(function, self._key, pickled, *args,
-                                                     limiter=self._processes)
-        assert answer is not None, "a worker given the tokenizer answers"
+        answer: tuple[int, bytes] = await anyio.to_thread.run_sync(
+            self._call_process, name, *args, limiter=self._processes)
         return answer
 
-    def _pickle(self) -> bytes:
-        with self._pickle_lock:
+    def _call_process(self, name: str, *args: object) -> Any:
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
             if self._pickled is None:
                 self._pickled = pickle.dumps(self.tokenizer)
-            return self._pickled
+            worker = TokenizerProcess(self._pickled)
+            self._workers.append(worker)
+        try:
+            return worker.call(name, *args)
+        finally:
+            with self._lock:
+                if worker.broken:
+                    self._workers.remove(worker)
+                else:
+                    self._idle.append(worker)
 
     def _check_queue(self, limiter: anyio.CapacityLimiter) -> None:
         if limiter.statistics().tasks_waiting >= self._max_waiting:
@@ -114,3 +118,8 @@ class Offload:
     def statistics(self) -> anyio.CapacityLimiterStatistics:
         """The threads in use and the calls waiting for one."""
         return self._threads.statistics()
+
+
+def _close_all(workers: list[TokenizerProcess]) -> None:
+    for worker in list(workers):
+        worker.close()
