@@ -66,7 +66,7 @@ def test_the_work_per_character_does_not_grow_with_the_stop_strings(count: int) 
     automaton._next = CountingDict(automaton._next)
     text = "zq1zq12zq STO zq999 hello " * 40 + "STOP"
     CountingDict.lookups = 0
-    state, match = automaton.scan(0, text)
+    _, match = automaton.scan(0, text)
     assert match is not None and match.end == len(text)
     assert CountingDict.lookups <= 2 * len(text)
     assert automaton.max_length == max(map(len, stops))

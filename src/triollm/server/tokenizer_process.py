@@ -7,7 +7,7 @@ A worker process does all that on its own interpreter and sends back bytes, and 
 much as the caller can use: the count and the last ``keep`` ids, or the ids as JSON.
 
 The parent side, ``TokenizerProcess``, is synchronous: a worker thread calls it and
-waits on the pipe. The child (``python -m triollm.server.tokenizer_process``) reads
+waits on the pipe. The child (this file run by the server's Python) reads
 pickled calls from stdin and writes pickled answers to stdout; it ends when its stdin
 closes, so it never outlives the server.
 """
@@ -15,6 +15,7 @@ closes, so it never outlives the server.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -47,9 +48,10 @@ class TokenizerProcess:
     start). One call at a time; a broken process raises ``RuntimeError`` and is done."""
 
     def __init__(self, pickled_tokenizer: bytes) -> None:
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "triollm.server.tokenizer_process"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # the file itself, not the package (whose import the child has no use for);
+        # -P: its folder is not put on sys.path
+        self._process = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.broken = False
         self._send(pickled_tokenizer)
 
