@@ -25,5 +25,5 @@ MAX_OFFLOAD_WAITING = 512
 #: ``stop`` and ``bad_words``: at most this many strings, and this many characters in
 #: all. Each is prepared once per request on the event loop (an automaton of the stop
 #: strings, the bad words tokenized), so its size is bounded.
-MAX_STRING_LIST_ITEMS = 1024
-MAX_STRING_LIST_CHARS = 16384
+MAX_STRING_LIST_ITEMS = 128
+MAX_STRING_LIST_CHARS = 4096

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from triollm.lora.request import LoRARequest
     from triollm.server.state import ServerState
 
-__all__ = ["EncodeRequest", "GenerationRequest", "ReplyOptions", "check_limits",
+__all__ = ["EncodeRequest", "GenerationRequest", "ReplyOptions", "check_limits", "check_sizes",
            "encode_request", "generation_request", "logprob_entries", "request_id_for",
            "tokenized"]
 
@@ -115,6 +115,7 @@ async def generation_request(state: ServerState, request: Request, body: Samplin
     and checked against the limits (400s naming the field); a 503 while the server
     shuts down."""
     state.require_accepting()
+    check_sizes(state, params)
     special = body.add_special_tokens if isinstance(body, CompletionRequest) else True
     ready = tuple([await tokenized(state, prompt, body.cache_salt, special,
                                    params.truncate_prompt_tokens) for prompt in prompts])
@@ -164,6 +165,17 @@ async def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | No
     if cache_salt is not None:
         ready["cache_salt"] = cache_salt
     return ready
+
+
+def check_sizes(state: ServerState, params: SamplingParams) -> None:
+    """Refuse token-id lists longer than the vocabulary (400 naming the field): the
+    engine checks and uses each entry on the event loop."""
+    vocab = int(state.engine.config.model.hf_config.vocab_size)
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        size = len(getattr(params, name) or ())
+        if size > vocab:
+            raise OpenAIError(400, f"{name}: {size} entries; this model's vocabulary has "
+                                   f"{vocab} tokens", param=name)
 
 
 def logprob_entries(params: SamplingParams, prompt_len: int, max_new: int) -> int:

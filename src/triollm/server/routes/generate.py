@@ -20,7 +20,13 @@ from triollm.server.generation import open_streams, outputs
 from triollm.server.limits import MAX_N
 from triollm.server.protocol import GenerateRequest
 from triollm.server.protocol.sampling import string_list_problem
-from triollm.server.request import GenerationRequest, ReplyOptions, check_limits, tokenized
+from triollm.server.request import (
+    GenerationRequest,
+    ReplyOptions,
+    check_limits,
+    check_sizes,
+    tokenized,
+)
 from triollm.server.state import server_state
 from triollm.server.streaming import NullDelimitedStream
 
@@ -50,6 +56,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         raise bad_request(error) from error
     if params.n > MAX_N:
         raise OpenAIError(400, f"n: at most {MAX_N}, got {params.n}", param="n")
+    check_sizes(state, params)
     prompt = await tokenized(state, body.prompt, None,
                            truncate_to=params.truncate_prompt_tokens)
     check_limits(state, prompt, params)
