@@ -187,3 +187,18 @@ def test_detokenize_is_bounded_by_the_context(server: ThreadedServer) -> None:
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "tokens"
     reply = httpx.post(server.url + "/detokenize", json={"tokens": [5] * MAX_MODEL_LEN})
     assert reply.status_code == 200 and reply.json()["prompt"]
+
+
+def test_text_no_tokenizer_can_encode_is_a_400_on_every_route(server: ThreadedServer) -> None:
+    """Text is checked where it is tokenized, off the loop: a lone surrogate in a
+    message or a prompt is the client's error, never a 500."""
+    headers = {"content-type": "application/json"}
+    message = b'[{"role": "user", "content": "a\\ud800b"}]'
+    for path, body, param in (
+            ("/tokenize", b'{"messages": %b}' % message, "messages"),
+            ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt"),
+            ("/v1/chat/completions", b'{"messages": %b}' % message, "messages"),
+            ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt")):
+        reply = httpx.post(server.url + path, content=body, headers=headers)
+        assert reply.status_code == 400, (path, reply.text)
+        assert reply.json()["error"]["param"] == param, path

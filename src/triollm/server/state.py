@@ -14,6 +14,7 @@ from fastapi import Request
 from triollm.entrypoints.chat_utils import ContentFormat, render_chat_text
 from triollm.errors import EngineClosedError
 from triollm.lora.request import LoRARequest
+from triollm.sampling_params import check_text
 from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.server.offload import Offload
@@ -260,7 +261,12 @@ class ServerState:
         """``text`` as token ids, off the event loop. A long text that is more than
         the context can take (a prompt that leaves no room to generate, unless
         ``truncate_to`` keeps fewer of its tokens) is a 400 naming ``field`` here; a
-        shorter one is left to the route's own limits."""
+        shorter one is left to the route's own limits. Text that is not valid Unicode
+        (a lone surrogate) is a 400 too."""
+        try:
+            check_text(field, text)
+        except ValueError as error:
+            raise bad_request(error) from error
         max_model_len = self.engine.config.model.max_model_len
         count, ids = await self.offload.encode_tail(text, add_special_tokens, max_model_len)
         if count == len(ids):

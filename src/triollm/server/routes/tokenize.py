@@ -39,15 +39,15 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
             tools=body.tools, documents=body.documents,
             chat_template_kwargs=body.chat_template_kwargs)
         text = await state.render_chat_text(body.messages, rendering)
-        special = rendering.add_special_tokens
+        special, field = rendering.add_special_tokens, "messages"
     elif body.prompt is not None:
-        try:
-            check_text("prompt", body.prompt)
-        except ValueError as error:
-            raise bad_request(error) from error
-        text, special = body.prompt, body.add_special_tokens
+        text, special, field = body.prompt, body.add_special_tokens, "prompt"
     else:
         raise OpenAIError(400, "prompt: give a prompt or messages", param="prompt")
+    try:
+        check_text(field, text)
+    except ValueError as error:
+        raise bad_request(error) from error
     count, tokens = await state.offload.encode_json(text, special)
     max_model_len = state.engine.config.model.max_model_len
     return Response(b'{"tokens":%b,"count":%d,"max_model_len":%d}'
