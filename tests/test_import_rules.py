@@ -101,7 +101,8 @@ EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
     "triollm.engine.stats", "triollm.pooling_params", "triollm.entrypoints.score_utils",
     "triollm.lora.request", "triollm.request_ids", "triollm.engine.request_registry",
     "triollm.engine.lora_registry", "triollm.engine.stats_collector", "triollm.engine.intake",
-    "triollm.engine.step_budget",
+    "triollm.engine.step_budget", "triollm.engine.stop_strings",
+    "triollm.server.tokenizer_process",
 ])
 def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
     assert forbidden(module, ("torch", "transformers", *EVENT_LOOPS)) == []

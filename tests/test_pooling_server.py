@@ -26,9 +26,11 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello",
 
 
 def serve(path: Path, name: str, **engine_args: Any) -> Iterator[ThreadedServer]:
+    """A server of the model at ``path``; request chat templates trusted."""
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
         model=str(path), dtype="float32", **engine_args))
-    with server_in_thread(engine, served_model_names=(name,)) as running:
+    with server_in_thread(engine, served_model_names=(name,),
+                          trust_request_chat_template=True) as running:
         yield running
     assert not running.errors, running.errors
 

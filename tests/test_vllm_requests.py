@@ -55,12 +55,13 @@ def server(model_with_defaults: Path) -> Iterator[ThreadedServer]:
 
 @pytest.fixture(scope="module")
 def parts_server(llama_path: Path) -> Iterator[ThreadedServer]:
-    """No generation config; a chat template that iterates over content parts."""
+    """No generation config; a chat template that iterates over content parts; request
+    templates trusted."""
     args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=256,
                            num_gpu_blocks_override=256)
     engine = AsyncLLMEngine.from_engine_args(args)
-    with server_in_thread(engine, served_model_names=("tiny",),
-                          chat_template=PARTS_TEMPLATE) as running:
+    with server_in_thread(engine, served_model_names=("tiny",), chat_template=PARTS_TEMPLATE,
+                          trust_request_chat_template=True) as running:
         yield running
     assert not running.errors, running.errors
 

@@ -4,4 +4,5 @@ import sys
 
 from triollm.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a worker process loads the parent's main module
+    sys.exit(main())

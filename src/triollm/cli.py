@@ -231,6 +231,7 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
         max_logprob_entries=namespace.max_logprob_entries,
         chat_template=chat_template,
         chat_template_content_format=namespace.chat_template_content_format,
+        trust_request_chat_template=namespace.trust_request_chat_template,
         return_tokens_as_token_ids=namespace.return_tokens_as_token_ids,
         root_path=namespace.root_path, access_log=not namespace.disable_uvicorn_access_log,
         api_docs=not namespace.disable_fastapi_docs, log_level=level.lower(),
@@ -302,6 +303,12 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
                         help="how message content reaches the template: string (text parts "
                              "joined by newlines), openai (a list of parts), or auto (read "
                              "the template; default)")
+    server.add_argument("--trust-request-chat-template",
+                        action=argparse.BooleanOptionalAction, default=False,
+                        help="whether to trust the chat template a request provides "
+                             "(its chat_template field); if not, a request that brings one "
+                             "gets a 400, and the server always uses --chat-template or "
+                             "the tokenizer's")
     server.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction,
                         default=False,
                         help="write logprob tokens as 'token_id:N' (a request's "

@@ -138,7 +138,7 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
                 "--log-error-stack", "--enable-request-id-headers",
                 "--enable-force-include-usage", "--enable-prompt-tokens-details",
                 "--enable-tokenizer-info-endpoint", "--enable-offline-docs",
-                "--enable-ssl-refresh", "--tokens-only", "--trust-request-chat-template",
+                "--enable-ssl-refresh", "--tokens-only",
                 "--exclude-tools-when-tool-choice-none", "--return-sampling-mask",
                 "--enable-return-routed-experts", "--scheduler-reserve-full-isl",
                 "--long-prefill-token-threshold-adaptive",

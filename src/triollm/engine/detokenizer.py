@@ -3,13 +3,17 @@
 Incremental decoding keeps two offsets into the token list (vLLM's scheme): text is
 only emitted once the tokens since ``read_offset`` decode to something that does not
 end in an incomplete UTF-8 sequence, so a character split across tokens appears
-whole, once. Stop strings are searched in the newly grown tail of the text, so one
+whole, once. Stop strings are found by an automaton fed only the newly grown text
+(engine/stop_strings.py), so a step costs the same however many there are, and one
 that spans several tokens is still found.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
+
+from triollm.engine.stop_strings import StopStrings
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "decode_text"]
 
@@ -50,20 +54,23 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         *,
         skip_special_tokens: bool = True,
-        stop: list[str] | None = None,
+        stop: Sequence[str] | StopStrings | None = None,
         include_stop_str_in_output: bool = False,
     ) -> None:
+        """``stop``: the stop strings, or their automaton (built once per request and
+        shared by its samples)."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._tokens = list(prompt_token_ids[-_INITIAL_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
-        self.stop = stop or []
+        self.stop = stop if isinstance(stop, StopStrings) else StopStrings(stop or ())
+        self._stop_state = 0
         self.include_stop_str_in_output = include_stop_str_in_output
         self.output_text = ""
         #: Characters held back while streaming because they may begin a stop string.
         self.stop_buffer_length = (
-            0 if include_stop_str_in_output or not self.stop else max(map(len, self.stop)) - 1
+            0 if include_stop_str_in_output or not self.stop else self.stop.max_length - 1
         )
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -89,21 +96,28 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         previous_length = len(self.output_text)
         self.output_text += new_text
-        return self._find_stop_string(previous_length) if check_stop else None
+        return self._find_stop_string(previous_length, new_text, check_stop)
 
-    def _find_stop_string(self, previous_length: int) -> str | None:
-        """The earliest stop string in the text added since ``previous_length``."""
-        best: tuple[int, str] | None = None
-        for stop in self.stop:
-            index = self.output_text.find(stop, max(0, previous_length - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
+    def _find_stop_string(self, previous_length: int, new_text: str,
+                          check_stop: bool) -> str | None:
+        """The first stop string to end in ``new_text`` (the text from
+        ``previous_length``); the text is then cut at it. Unchecked text still moves
+        the automaton, so a stop string begun there is found once checks start."""
+        if not self.stop:
             return None
-        index, stop = best
-        end = index + len(stop) if self.include_stop_str_in_output else index
-        self.output_text = self.output_text[:end]
-        return stop
+        offset = 0
+        while offset < len(new_text):
+            self._stop_state, found = self.stop.scan(self._stop_state, new_text, offset)
+            if found is None:
+                return None
+            offset = found.end
+            if check_stop:
+                end = previous_length + offset
+                stop = self.output_text[end - found.length:end]
+                self.output_text = self.output_text[
+                    :end if self.include_stop_str_in_output else end - found.length]
+                return stop
+        return None
 
     def text_to_deliver(self, finished: bool) -> str:
         """The text a caller may see now: all of it once finished, otherwise all but a

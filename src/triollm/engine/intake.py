@@ -16,6 +16,7 @@ from triollm.engine.detokenizer import Tokenizer
 from triollm.engine.inputs import PromptType, bad_words_token_ids, process_prompt
 from triollm.engine.output_processor import OutputProcessor, ParentRequest
 from triollm.engine.request import Request
+from triollm.engine.stop_strings import StopStrings
 from triollm.lora.request import LoRARequest
 from triollm.pooling_params import PoolingParams
 from triollm.sampling_params import RequestOutputKind, SamplingParams
@@ -77,6 +78,7 @@ class RequestIntake:
         adapter, lora_version = (None, 0) if lora is None else lora
         parent_id = engine_id()
         children = []
+        stop = StopStrings(params.stop or ())  # one automaton for every sample
         for index in range(params.n):
             child_params = params if params.n == 1 else params.child(index)
             child_id = parent_id if params.n == 1 else engine_id()
@@ -85,8 +87,8 @@ class RequestIntake:
                             is_latency_sensitive=is_latency_sensitive, slo=slo,
                             ttft_slo=ttft_slo, cache_salt=processed.cache_salt,
                             lora_request=adapter, lora_version=lora_version)
-            child.detokenizer = self.output_processor.make_detokenizer(child_params,
-                                                                       processed.token_ids)
+            child.detokenizer = self.output_processor.make_detokenizer(
+                child_params, processed.token_ids, stop)
             children.append(child)
         return ParentRequest(request_id, parent_id, processed.text, processed.token_ids,
                              params.output_kind, children, trace_headers=trace_headers)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from triollm.engine.detokenizer import IncrementalDetokenizer, Tokenizer, decode_text
 from triollm.engine.request import Request, RequestStatus
+from triollm.engine.stop_strings import StopStrings
 from triollm.outputs import CompletionOutput, Logprob, RequestOutput
 from triollm.sampling_params import RequestOutputKind, SamplingParams
 from triollm.step import TokenLogprobs
@@ -55,9 +56,10 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def make_detokenizer(self, params: SamplingParams, prompt_token_ids: list[int]
-                         ) -> IncrementalDetokenizer | None:
-        """The incremental detokenizer of one sequence (None if it wants no text)."""
+    def make_detokenizer(self, params: SamplingParams, prompt_token_ids: list[int],
+                         stop: StopStrings | None = None) -> IncrementalDetokenizer | None:
+        """The incremental detokenizer of one sequence (None if it wants no text);
+        ``stop``: the automaton of ``params.stop``, when the caller built it already."""
         if not params.detokenize:
             return None
         if self.tokenizer is None:
@@ -65,7 +67,8 @@ class OutputProcessor:
                              "detokenize=False")
         return IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens, stop=list(params.stop or []),
+            skip_special_tokens=params.skip_special_tokens,
+            stop=stop if stop is not None else list(params.stop or []),
             include_stop_str_in_output=params.include_stop_str_in_output)
 
     # -- one sampled token -----------------------------------------------------------

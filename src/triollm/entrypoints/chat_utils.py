@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["CONTENT_FORMATS", "RESERVED_TEMPLATE_KWARGS", "ContentFormat",
-           "detect_content_format", "normalize_messages", "render_chat", "resolve_template"]
+           "detect_content_format", "normalize_messages", "render_chat", "render_chat_text",
+           "resolve_template"]
 
 ContentFormat = Literal["auto", "string", "openai"]
 CONTENT_FORMATS: tuple[ContentFormat, ...] = ("auto", "string", "openai")
@@ -188,19 +189,25 @@ def _detect(chat_template: str) -> ContentFormat:
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], *,
-                chat_template: str | None = None, add_generation_prompt: bool = True,
-                continue_final_message: bool = False,
-                tools: list[dict[str, Any]] | None = None,
-                documents: list[dict[str, Any]] | None = None,
-                chat_template_kwargs: Mapping[str, Any] | None = None,
-                content_format: ContentFormat = "auto",
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, **rendering: Any) -> list[int]:
+    """Chat messages through the chat template, as token ids: ``render_chat_text``'s
+    text encoded, ``add_special_tokens`` adding the tokenizer's own (a BOS token, for
+    most) to what the template wrote, as vLLM's field of that name."""
+    text = render_chat_text(tokenizer, messages, **rendering)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], *,
+                     chat_template: str | None = None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False,
+                     tools: list[dict[str, Any]] | None = None,
+                     documents: list[dict[str, Any]] | None = None,
+                     chat_template_kwargs: Mapping[str, Any] | None = None,
+                     content_format: ContentFormat = "auto") -> str:
     """Chat messages through the chat template (``chat_template`` or the tokenizer's),
-    as token ids. ``continue_final_message`` leaves the last (assistant) message open
-    for the model to continue; ``chat_template_kwargs`` are extra template variables
-    (``enable_thinking``); ``add_special_tokens`` adds the tokenizer's own (a BOS
-    token, for most) to what the template wrote, as vLLM's field of that name. Raises
-    ``ValueError`` naming the field at fault."""
+    as text. ``continue_final_message`` leaves the last (assistant) message open for the
+    model to continue; ``chat_template_kwargs`` are extra template variables
+    (``enable_thinking``). Raises ``ValueError`` naming the field at fault."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message: cannot be used with "
                          "add_generation_prompt; set add_generation_prompt to false")
@@ -220,5 +227,5 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
         documents=list(documents) if documents is not None else None,
         tokenize=False, **extra)
     # transformers types the result for every combination of its flags; with
-    # tokenize=False it is the rendered text (which it would encode just so).
-    return list(tokenizer.encode(cast(str, text), add_special_tokens=add_special_tokens))
+    # tokenize=False it is the rendered text.
+    return cast(str, text)

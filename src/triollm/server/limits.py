@@ -4,7 +4,9 @@ server."""
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_MAX_LOGPROB_ENTRIES", "DEFAULT_MAX_REQUEST_BODY_BYTES", "MAX_N"]
+__all__ = ["DEFAULT_MAX_LOGPROB_ENTRIES", "DEFAULT_MAX_REQUEST_BODY_BYTES", "LONG_TEXT_CHARS",
+           "MAX_N", "MAX_OFFLOAD_WAITING", "MAX_STRING_LIST_CHARS", "MAX_STRING_LIST_ITEMS",
+           "OFFLOAD_PROCESSES", "OFFLOAD_THREADS"]
 
 #: OpenAI's own limit on ``n`` (choices per prompt).
 MAX_N = 128
@@ -13,3 +15,15 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 #: The most (token, logprob) entries one reply may carry, about 30 MiB of JSON
 #: (``--max-logprob-entries``): n x tokens x (logprobs + 1), echoed prompts included.
 DEFAULT_MAX_LOGPROB_ENTRIES = 2**20
+#: Worker threads that tokenize, render chat templates and detokenize (server/offload.py).
+OFFLOAD_THREADS = 4
+#: Worker processes that encode long texts, and what a long text is (characters).
+OFFLOAD_PROCESSES = 2
+LONG_TEXT_CHARS = 2**18
+#: Calls that may wait for one of those threads (or processes); more get 503.
+MAX_OFFLOAD_WAITING = 512
+#: ``stop`` and ``bad_words``: at most this many strings, and this many characters in
+#: all. Each is prepared once per request on the event loop (an automaton of the stop
+#: strings, the bad words tokenized), so its size is bounded.
+MAX_STRING_LIST_ITEMS = 128
+MAX_STRING_LIST_CHARS = 4096

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from triollm.lora.request import LoRARequest
     from triollm.server.state import ServerState
 
-__all__ = ["EncodeRequest", "GenerationRequest", "ReplyOptions", "check_limits",
+__all__ = ["EncodeRequest", "GenerationRequest", "ReplyOptions", "check_limits", "check_sizes",
            "encode_request", "generation_request", "logprob_entries", "request_id_for",
            "tokenized"]
 
@@ -108,14 +108,17 @@ def request_id_for(request: Request, body: _NamesItsId, prefix: str) -> str:
                                or random_request_id(prefix))
 
 
-def generation_request(state: ServerState, request: Request, body: SamplingRequest,
-                       prompts: Sequence[PromptType], params: SamplingParams,
-                       request_id: str, reply: ReplyOptions) -> GenerationRequest:
-    """The request ``body`` makes of ``prompts``: each tokenized and checked against the
-    limits (400s naming the field); a 503 while the server shuts down."""
+async def generation_request(state: ServerState, request: Request, body: SamplingRequest,
+                             prompts: Sequence[PromptType], params: SamplingParams,
+                             request_id: str, reply: ReplyOptions) -> GenerationRequest:
+    """The request ``body`` makes of ``prompts``: each tokenized (in a worker thread)
+    and checked against the limits (400s naming the field); a 503 while the server
+    shuts down."""
     state.require_accepting()
+    check_sizes(state, params)
     special = body.add_special_tokens if isinstance(body, CompletionRequest) else True
-    ready = tuple(tokenized(state, prompt, body.cache_salt, special) for prompt in prompts)
+    ready = tuple([await tokenized(state, prompt, body.cache_salt, special,
+                                   params.truncate_prompt_tokens) for prompt in prompts])
     for prompt in ready:
         check_limits(state, prompt, params)
     return GenerationRequest(
@@ -138,10 +141,14 @@ def encode_request(state: ServerState, request: Request, body: PoolingFields,
         trace_headers=trace_headers_from(request.headers))
 
 
-def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None,
-              add_special_tokens: bool = True) -> TokensPrompt:
-    """A prompt as token ids (its text kept), so its length can be checked here;
-    ``add_special_tokens`` as vLLM's completions field (the tokenizer's BOS, for most)."""
+async def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None,
+                    add_special_tokens: bool = True, truncate_to: int | None = None
+                    ) -> TokensPrompt:
+    """A prompt as token ids (its text kept; tokenized in a worker thread), so its
+    length can be checked here; ``add_special_tokens`` as vLLM's completions field (the
+    tokenizer's BOS, for most). A long text is cut to the tokens the engine can use
+    (``ServerState.encode``), with ``truncate_to`` as the request's
+    ``truncate_prompt_tokens``."""
     if isinstance(prompt, str):
         try:
             check_text("prompt", prompt)
@@ -149,8 +156,8 @@ def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None,
             raise bad_request(error) from error
         if not prompt:
             raise OpenAIError(400, "prompt: must not be empty", param="prompt")
-        ready = TokensPrompt(prompt_token_ids=state.engine.tokenizer.encode(
-            prompt, add_special_tokens=add_special_tokens), prompt=prompt)
+        ready = TokensPrompt(prompt_token_ids=await state.encode(
+            prompt, add_special_tokens, truncate_to=truncate_to), prompt=prompt)
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ready = TokensPrompt(prompt_token_ids=list(cast(TokensPrompt, prompt)["prompt_token_ids"]))
     else:
@@ -158,6 +165,17 @@ def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None,
     if cache_salt is not None:
         ready["cache_salt"] = cache_salt
     return ready
+
+
+def check_sizes(state: ServerState, params: SamplingParams) -> None:
+    """Refuse token-id lists longer than the vocabulary (400 naming the field): the
+    engine checks and uses each entry on the event loop."""
+    vocab = int(state.engine.config.model.hf_config.vocab_size)
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        size = len(getattr(params, name) or ())
+        if size > vocab:
+            raise OpenAIError(400, f"{name}: {size} entries; this model's vocabulary has "
+                                   f"{vocab} tokens", param=name)
 
 
 def logprob_entries(params: SamplingParams, prompt_len: int, max_new: int) -> int:

@@ -77,6 +77,7 @@ class ServerOptions:
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     chat_template: str | None = None
     chat_template_content_format: ContentFormat = "auto"
+    trust_request_chat_template: bool = False
     return_tokens_as_token_ids: bool = False
     cors: CorsSettings = field(default_factory=CorsSettings)
     log_level: str = "info"
@@ -133,6 +134,7 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
         max_logprob_entries=options.max_logprob_entries,
         chat_template=options.chat_template,
         chat_template_content_format=options.chat_template_content_format,
+        trust_request_chat_template=options.trust_request_chat_template,
         return_tokens_as_token_ids=options.return_tokens_as_token_ids,
         cors=options.cors), metrics)
     app = build_app(state, api_docs=options.api_docs)

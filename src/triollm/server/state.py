@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio
 from fastapi import Request
 
-from triollm.entrypoints.chat_utils import ContentFormat, render_chat
+from triollm.entrypoints.chat_utils import ContentFormat, render_chat_text
 from triollm.errors import EngineClosedError
 from triollm.lora.request import LoRARequest
+from triollm.sampling_params import check_text
 from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
+from triollm.server.offload import Offload
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 if TYPE_CHECKING:
@@ -49,6 +51,8 @@ class ServerSettings:
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     chat_template: str | None = None
     chat_template_content_format: ContentFormat = "auto"
+    #: vLLM's --trust-request-chat-template: a request may bring its own chat template.
+    trust_request_chat_template: bool = False
     #: vLLM's --return-tokens-as-token-ids: logprob tokens as ``token_id:N``.
     return_tokens_as_token_ids: bool = False
     cors: CorsSettings = CorsSettings()
@@ -89,6 +93,12 @@ class ServerState:
     #: ``/v1/load_lora_adapter``), and the source of their engine ids.
     loras: dict[str, LoRARequest] = field(default_factory=dict)
     lora_ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    #: The worker threads (and processes) that tokenize, render chat templates and
+    #: detokenize.
+    offload: Offload = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offload = Offload(self.engine.tokenizer)
 
     def request_started(self) -> None:
         if self.open_requests == 0:
@@ -193,22 +203,48 @@ class ServerState:
             self.warned.add(key)
             logger.warning(message, *args)
 
-    def render_chat_or_400(self, messages: list[ChatMessage], rendering: ChatRendering
-                           ) -> list[int]:
+    def check_request_template(self, rendering: ChatRendering) -> None:
+        """400 for a request's own chat template (``chat_template``, or one passed in
+        ``chat_template_kwargs``) unless the server trusts them, as vLLM."""
+        if self.settings.trust_request_chat_template:
+            return
+        kwargs = rendering.chat_template_kwargs or {}
+        if rendering.chat_template is not None or kwargs.get("chat_template") is not None:
+            param = ("chat_template" if rendering.chat_template is not None
+                     else "chat_template_kwargs.chat_template")
+            raise OpenAIError(400, f"{param}: a chat template is passed with the request, "
+                                   f"but the server was not started with "
+                                   f"--trust-request-chat-template; refused request with "
+                                   f"untrusted chat template.", param=param)
+
+    async def render_chat_or_400(self, messages: list[ChatMessage], rendering: ChatRendering
+                                 ) -> list[int]:
         """Chat messages through the chat template (the request's, the server's or the
-        tokenizer's), as token ids. Whatever fails there (a template that rejects the
-        messages, a content part a text model cannot take, text no tokenizer can
-        encode) is the request's fault: a 400."""
+        tokenizer's), as token ids, off the event loop; an overlong result is a 400
+        here (``encode``)."""
+        text = await self.render_chat_text(messages, rendering)
+        return await self.encode(text, rendering.add_special_tokens, field="messages")
+
+    async def render_chat_text(self, messages: list[ChatMessage], rendering: ChatRendering
+                               ) -> str:
+        """Chat messages through the chat template, as text, in a worker thread. A
+        request's own template needs ``--trust-request-chat-template``. Whatever fails
+        there (a template that rejects the messages, a content part a text model cannot
+        take) is the request's fault: a 400."""
+        self.check_request_template(rendering)
+        return await self.offload.run(self._render_chat_text, messages, rendering)
+
+    def _render_chat_text(self, messages: list[ChatMessage], rendering: ChatRendering
+                          ) -> str:
         try:
-            return render_chat(
+            return render_chat_text(
                 self.engine.tokenizer, [m.model_dump(exclude_none=True) for m in messages],
                 chat_template=rendering.chat_template or self.settings.chat_template,
                 add_generation_prompt=rendering.add_generation_prompt,
                 continue_final_message=rendering.continue_final_message,
                 tools=rendering.tools, documents=rendering.documents,
                 chat_template_kwargs=rendering.chat_template_kwargs,
-                content_format=self.settings.chat_template_content_format,
-                add_special_tokens=rendering.add_special_tokens)
+                content_format=self.settings.chat_template_content_format)
         except ValueError as error:
             if str(error).startswith(("messages[", "chat_template_kwargs.",
                                       "continue_final_message:")):
@@ -218,6 +254,33 @@ class ServerState:
         except Exception as error:
             raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
                               param="messages") from error
+
+    async def encode(self, text: str, add_special_tokens: bool = True, *,
+                     field: str = "prompt", truncate_to: int | None = None,
+                     generating: bool = True) -> list[int]:
+        """``text`` as token ids, off the event loop. A long text that is more than
+        the context can take (a prompt that leaves no room to generate, unless
+        ``truncate_to`` keeps fewer of its tokens) is a 400 naming ``field`` here; a
+        shorter one is left to the route's own limits. Text that is not valid Unicode
+        (a lone surrogate) is a 400 too."""
+        try:
+            check_text(field, text)
+        except ValueError as error:
+            raise bad_request(error) from error
+        max_model_len = self.engine.config.model.max_model_len
+        count, ids = await self.offload.encode_tail(text, add_special_tokens, max_model_len)
+        if count == len(ids):
+            return ids
+        kept = count if truncate_to is None or truncate_to < 0 else min(count, truncate_to)
+        if generating and kept >= max_model_len:
+            raise OpenAIError(400, f"{field}: {kept} tokens leave no room to generate "
+                                   f"within this model's maximum context length of "
+                                   f"{max_model_len} tokens", param=field)
+        if not generating and kept > max_model_len and truncate_to != -1:
+            raise OpenAIError(400, f"{field}: {count} tokens are more than this model "
+                                   f"takes (max_model_len={max_model_len}); shorten it or "
+                                   f"set truncate_prompt_tokens", param=field)
+        return ids
 
 
 def server_state(request: Request) -> ServerState:

@@ -6,13 +6,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from triollm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
-from triollm.server.limits import MAX_N
+from triollm.server.limits import MAX_N, MAX_STRING_LIST_CHARS, MAX_STRING_LIST_ITEMS
 from triollm.server.protocol.base import CheckedRequest, StreamOptions
 
-__all__ = ["SamplingRequest"]
+__all__ = ["SamplingRequest", "string_list_problem"]
+
+
+def string_list_problem(value: object) -> str | None:
+    """What is wrong with a ``stop`` or ``bad_words`` value past the server's bounds
+    (None: nothing). The engine prepares each on the event loop (the stop strings'
+    automaton, the bad words tokenized), in time proportional to its size."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list):
+        return None
+    chars = sum(len(v) for v in values if isinstance(v, str))
+    if len(values) <= MAX_STRING_LIST_ITEMS and chars <= MAX_STRING_LIST_CHARS:
+        return None
+    return (f"at most {MAX_STRING_LIST_ITEMS} strings of {MAX_STRING_LIST_CHARS} "
+            f"characters in all; got {len(values)} of {chars}")
 
 
 class SamplingRequest(CheckedRequest):
@@ -127,6 +141,14 @@ class SamplingRequest(CheckedRequest):
             output_kind=RequestOutputKind.DELTA if self.stream
             else RequestOutputKind.FINAL_ONLY,
         )
+
+    @field_validator("stop", "bad_words", mode="before")
+    @classmethod
+    def _bounded(cls, value: object) -> object:
+        problem = string_list_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     def _logit_bias(self) -> dict[int, float] | None:
         # OpenAI sends token ids as JSON object keys (strings); like vLLM, biases are

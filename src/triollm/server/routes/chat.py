@@ -48,7 +48,7 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
     model = state.check_request(body)
-    token_ids = state.render_chat_or_400(body.messages, ChatRendering(
+    token_ids = await state.render_chat_or_400(body.messages, ChatRendering(
         chat_template=body.chat_template, add_generation_prompt=body.generation_prompt,
         continue_final_message=body.continue_final_message,
         add_special_tokens=body.add_special_tokens, tools=body.tools,
@@ -68,7 +68,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         prompt_logprobs=body.prompt_logprobs is not None,
         return_token_ids=body.return_token_ids, tokens_as_ids=state.tokens_as_ids(body),
         include_usage=include_usage, continuous_usage=continuous_usage)
-    work = generation_request(state, request, body, [{"prompt_token_ids": token_ids}], params,
+    work = await generation_request(state, request, body, [{"prompt_token_ids": token_ids}], params,
                               request_id_for(request, body, "chatcmpl"), reply)
     return await respond(state.engine, work, _events, _reply)
 

@@ -55,7 +55,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         echo=body.echo, prompt_logprobs=body.prompt_logprobs is not None,
         return_token_ids=body.return_token_ids, tokens_as_ids=state.tokens_as_ids(body),
         include_usage=include_usage, continuous_usage=continuous_usage)
-    work = generation_request(state, request, body, prompts, params,
+    work = await generation_request(state, request, body, prompts, params,
                               request_id_for(request, body, "cmpl"), reply)
     tokenizer = state.engine.tokenizer
     return await respond(state.engine, work, functools.partial(_events, tokenizer),

@@ -19,7 +19,14 @@ from triollm.server.errors import (
 from triollm.server.generation import open_streams, outputs
 from triollm.server.limits import MAX_N
 from triollm.server.protocol import GenerateRequest
-from triollm.server.request import GenerationRequest, ReplyOptions, check_limits, tokenized
+from triollm.server.protocol.sampling import string_list_problem
+from triollm.server.request import (
+    GenerationRequest,
+    ReplyOptions,
+    check_limits,
+    check_sizes,
+    tokenized,
+)
 from triollm.server.state import server_state
 from triollm.server.streaming import NullDelimitedStream
 
@@ -37,6 +44,10 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     if "output_kind" in extra:
         raise OpenAIError(400, "output_kind: chosen by the server (texts so far)",
                           param="output_kind")
+    for name in ("stop", "bad_words"):
+        problem = string_list_problem(extra.get(name))
+        if problem is not None:
+            raise OpenAIError(400, f"{name}: {problem}", param=name)
     try:
         params = SamplingParams(**extra)
     except TypeError as error:
@@ -45,7 +56,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         raise bad_request(error) from error
     if params.n > MAX_N:
         raise OpenAIError(400, f"n: at most {MAX_N}, got {params.n}", param="n")
-    prompt = tokenized(state, body.prompt, None)
+    check_sizes(state, params)
+    prompt = await tokenized(state, body.prompt, None,
+                           truncate_to=params.truncate_prompt_tokens)
     check_limits(state, prompt, params)
     request_id = remember_request_id(request, random_request_id("generate"))
     work = GenerationRequest(

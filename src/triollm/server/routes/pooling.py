@@ -10,6 +10,7 @@ engine stream aborts what has not finished.
 from __future__ import annotations
 
 import base64
+import functools
 from collections.abc import Sequence
 from contextlib import aclosing
 from typing import Any
@@ -79,13 +80,14 @@ def _params(body: PoolingFields, **extra: Any) -> PoolingParams:
         raise bad_request(error) from error
 
 
-def _prompts(state: ServerState, body: InputRequest) -> list[PromptType]:
-    """``input`` (texts or token ids) or ``messages`` (through the chat template)."""
+async def _prompts(state: ServerState, body: InputRequest) -> list[PromptType]:
+    """``input`` (texts or token ids) or ``messages`` (through the chat template), as
+    token ids (texts tokenized in a worker thread)."""
     if body.messages is not None:
         if body.input is not None:
             raise OpenAIError(400, "input: give either input or messages, not both",
                               param="input")
-        return [TokensPrompt(prompt_token_ids=state.render_chat_or_400(
+        return [TokensPrompt(prompt_token_ids=await state.render_chat_or_400(
             body.messages, ChatRendering(
                 chat_template=body.chat_template, add_generation_prompt=body.generation_prompt,
                 continue_final_message=body.continue_final_message,
@@ -109,8 +111,9 @@ def _prompts(state: ServerState, body: InputRequest) -> list[PromptType]:
             if not item:
                 raise OpenAIError(400, f"input[{index}]: must not be empty",
                                   param=f"input[{index}]")
-            prompts.append(TokensPrompt(prompt_token_ids=state.engine.tokenizer.encode(
-                item, add_special_tokens=body.add_special_tokens)))
+            prompts.append(TokensPrompt(prompt_token_ids=await state.encode(
+                item, body.add_special_tokens, field=f"input[{index}]",
+                truncate_to=body.truncate_prompt_tokens, generating=False)))
         elif isinstance(item, list):
             prompts.append(TokensPrompt(prompt_token_ids=list(item)))
         else:
@@ -173,7 +176,8 @@ async def _vectors(body: EmbeddingRequest, request: Request, route: str,
     model = _checked(state, body, route, task)
     params = _params(body, dimensions=body.dimensions, normalize=body.normalize, task=task)
     request_id = request_id_for(request, body, prefix)
-    work = encode_request(state, request, body, _prompts(state, body), params, request_id)
+    work = encode_request(state, request, body, await _prompts(state, body), params,
+                          request_id)
     return model, request_id, await _encode_all(state, work)
 
 
@@ -203,7 +207,8 @@ async def classify(body: ClassificationRequest, request: Request) -> JSONRespons
     labels = state.require_pooling("/classify").labels
     request_id = request_id_for(request, body, "classify")
     outputs = await _encode_all(state, encode_request(state, request, body,
-                                                      _prompts(state, body), _params(body),
+                                                      await _prompts(state, body),
+                                                      _params(body),
                                                       request_id))
     data = []
     for index, output in enumerate(outputs):
@@ -223,12 +228,16 @@ async def _scores(state: ServerState, request: Request, body: PoolingFields,
     pooler = state.require_pooling("score")
     params = _params(body)
     try:
-        plan = plan_scoring(pooler, state.engine.tokenizer, pairs,
-                            max_length=state.engine.config.model.max_model_len,
-                            truncate_prompt_tokens=body.truncate_prompt_tokens)
+        plan = await state.offload.run(functools.partial(
+            plan_scoring, pooler, state.engine.tokenizer, pairs,
+            max_length=state.engine.config.model.max_model_len,
+            truncate_prompt_tokens=body.truncate_prompt_tokens))
     except ValueError as error:
         raise bad_request(error) from error
-    outputs = await _encode_all(state, encode_request(state, request, body, plan.prompts,
+    prompts = [TokensPrompt(prompt_token_ids=await state.encode(
+        prompt, truncate_to=body.truncate_prompt_tokens, generating=False))
+        if isinstance(prompt, str) else prompt for prompt in plan.prompts]
+    outputs = await _encode_all(state, encode_request(state, request, body, prompts,
                                                       params, request_id))
     return plan.scores([output.outputs.data for output in outputs]), _usage(outputs)
 

@@ -51,14 +51,14 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     except ValueError as error:
         raise bad_request(error) from error
     state.check_fields(body)
-    token_ids = state.render_chat_or_400(chat.messages, ChatRendering())
+    token_ids = await state.render_chat_or_400(chat.messages, ChatRendering())
     try:
         params = chat.sampling_params(max_tokens=body.max_output_tokens, logprobs=None,
                                       defaults=state.engine.config.model.generation_defaults)
     except ValueError as error:
         raise bad_request(error) from error
     response_id = remember_request_id(request, random_request_id("resp"))
-    work = generation_request(state, request, chat, [{"prompt_token_ids": token_ids}],
+    work = await generation_request(state, request, chat, [{"prompt_token_ids": token_ids}],
                               params, response_id,
                               ReplyOptions(model=model, created=int(time.time())))
     shape = _Shape(random_request_id("msg"), body.instructions, body.metadata or {},

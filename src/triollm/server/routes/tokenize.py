@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from triollm.engine.detokenizer import decode_text
 from triollm.sampling_params import check_text
@@ -14,7 +15,7 @@ from triollm.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from triollm.server.state import ChatRendering, server_state
+from triollm.server.state import ChatRendering, ServerState, server_state
 
 __all__ = ["router"]
 
@@ -22,30 +23,35 @@ router = APIRouter()
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)
-async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    """The reply is written from the token ids' JSON as the tokenizer made it (in a
+    worker process, for a long text): no Python object per token on the event loop."""
     state = server_state(request)
     state.check_model(body.model)
     state.check_fields(body)
-    tokenizer = state.engine.tokenizer
     if body.messages is not None:
-        tokens = state.render_chat_or_400(body.messages, ChatRendering(
+        rendering = ChatRendering(
             chat_template=body.chat_template, add_generation_prompt=body.generation_prompt,
             continue_final_message=body.continue_final_message,
             # for messages vLLM's default is False (the template writes them)
             add_special_tokens=body.add_special_tokens and "add_special_tokens"
             in body.model_fields_set,
             tools=body.tools, documents=body.documents,
-            chat_template_kwargs=body.chat_template_kwargs))
+            chat_template_kwargs=body.chat_template_kwargs)
+        text = await state.render_chat_text(body.messages, rendering)
+        special, field = rendering.add_special_tokens, "messages"
     elif body.prompt is not None:
-        try:
-            check_text("prompt", body.prompt)
-        except ValueError as error:
-            raise bad_request(error) from error
-        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        text, special, field = body.prompt, body.add_special_tokens, "prompt"
     else:
         raise OpenAIError(400, "prompt: give a prompt or messages", param="prompt")
-    return TokenizeResponse(tokens=list(tokens), count=len(tokens),
-                            max_model_len=state.engine.config.model.max_model_len)
+    try:
+        check_text(field, text)
+    except ValueError as error:
+        raise bad_request(error) from error
+    count, tokens = await state.offload.encode_json(text, special)
+    max_model_len = state.engine.config.model.max_model_len
+    return Response(b'{"tokens":%b,"count":%d,"max_model_len":%d}'
+                    % (tokens, count, max_model_len), media_type="application/json")
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse)
@@ -53,9 +59,18 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     state = server_state(request)
     state.check_model(body.model)
     state.check_fields(body)
+    max_model_len = state.engine.config.model.max_model_len
+    if len(body.tokens) > max_model_len:
+        # decoding holds the GIL, so even in a thread its length must be bounded
+        raise OpenAIError(400, f"tokens: at most this model's context, {max_model_len} "
+                               f"ids; got {len(body.tokens)}", param="tokens")
+    return DetokenizeResponse(prompt=await state.offload.run(_decode, state, body.tokens))
+
+
+def _decode(state: ServerState, tokens: list[int]) -> str:
     tokenizer = state.engine.tokenizer
     vocab = int(state.engine.config.model.hf_config.vocab_size)
-    if any(not 0 <= t < max(vocab, len(tokenizer)) for t in body.tokens):
+    if any(not 0 <= t < max(vocab, len(tokenizer)) for t in tokens):
         raise OpenAIError(400, "tokens: contains ids outside the vocabulary",
                           param="tokens")
-    return DetokenizeResponse(prompt=decode_text(tokenizer, body.tokens))
+    return decode_text(tokenizer, tokens)

@@ -1,0 +1,125 @@
+"""Work whose cost a client controls, off the event loop.
+
+Tokenizing a prompt, rendering a chat template and detokenizing token ids take time in
+proportion to the request. On the event loop that time would stall every other client
+(``/health`` included); here it runs in a few worker threads. A chat template (pure
+Python) hands the GIL back to the loop at every switch interval, and the tokenizers
+release it while they encode, so a thread keeps the loop responsive. A long text is
+encoded in a worker process instead (server/tokenizer_process.py): turning its tokens
+into Python objects and freeing them would hold the GIL in proportion to its length.
+Calls beyond the threads wait in a bounded queue; past it they are refused with a 503.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import weakref
+from array import array
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from triollm.server.errors import OpenAIError
+from triollm.server.limits import (
+    LONG_TEXT_CHARS,
+    MAX_OFFLOAD_WAITING,
+    OFFLOAD_PROCESSES,
+    OFFLOAD_THREADS,
+)
+from triollm.server.tokenizer_process import TokenizerProcess
+
+if TYPE_CHECKING:
+    from triollm.engine.detokenizer import Tokenizer
+
+__all__ = ["Offload"]
+
+T = TypeVar("T")
+
+
+class Offload:
+    """Runs client-sized work for one tokenizer: functions in ``threads`` worker
+    threads, long texts' encoding in worker processes; at most ``max_waiting`` calls
+    queued behind them."""
+
+    def __init__(self, tokenizer: Tokenizer, *, threads: int = OFFLOAD_THREADS,
+                 processes: int = OFFLOAD_PROCESSES, max_waiting: int = MAX_OFFLOAD_WAITING,
+                 long_text: int = LONG_TEXT_CHARS) -> None:
+        self.tokenizer = tokenizer
+        self.long_text = long_text
+        self._threads = anyio.CapacityLimiter(threads)
+        self._processes = anyio.CapacityLimiter(processes)
+        self._max_waiting = max_waiting
+        self._pickled: bytes | None = None
+        self._lock = threading.Lock()
+        self._workers: list[TokenizerProcess] = []
+        self._idle: list[TokenizerProcess] = []
+        # the processes end with this object (their stdin closes), or at exit
+        weakref.finalize(self, _close_all, self._workers)
+
+    async def run(self, function: Callable[..., T], *args: object) -> T:
+        """``function(*args)`` in a worker thread; a 503 when the queue is full. A
+        cancelled caller waits for a call already running (it cannot be stopped)."""
+        self._check_queue(self._threads)
+        return await anyio.to_thread.run_sync(function, *args, limiter=self._threads)
+
+    async def encode_tail(self, text: str, add_special_tokens: bool, keep: int
+                          ) -> tuple[int, list[int]]:
+        """The number of tokens of ``text`` and its token ids: all of them for a text
+        shorter than ``long_text`` characters, else (in a worker process) the last
+        ``keep``."""
+        if len(text) < self.long_text:
+            ids = await self.run(self._encode, text, add_special_tokens)
+            return len(ids), ids
+        count, data = await self._in_process("encode_tail", text, add_special_tokens, keep)
+        return count, array("q", data).tolist()
+
+    async def encode_json(self, text: str, add_special_tokens: bool) -> tuple[int, bytes]:
+        """The number of tokens of ``text`` and its ids as a JSON list (a long text in a
+        worker process: no Python object per token here)."""
+        if len(text) < self.long_text:
+            ids = await self.run(self._encode, text, add_special_tokens)
+            return len(ids), str(ids).replace(" ", "").encode()
+        return await self._in_process("encode_json", text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def _in_process(self, name: str, *args: object) -> tuple[int, bytes]:
+        self._check_queue(self._processes)
+        answer: tuple[int, bytes] = await anyio.to_thread.run_sync(
+            self._call_process, name, *args, limiter=self._processes)
+        return answer
+
+    def _call_process(self, name: str, *args: object) -> Any:
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
+            if self._pickled is None:
+                self._pickled = pickle.dumps(self.tokenizer)
+            worker = TokenizerProcess(self._pickled)
+            self._workers.append(worker)
+        try:
+            return worker.call(name, *args)
+        finally:
+            with self._lock:
+                if worker.broken:
+                    self._workers.remove(worker)
+                else:
+                    self._idle.append(worker)
+
+    def _check_queue(self, limiter: anyio.CapacityLimiter) -> None:
+        if limiter.statistics().tasks_waiting >= self._max_waiting:
+            raise OpenAIError(503, "The server is busy preparing other requests; retry "
+                                   "shortly.", type="ServiceUnavailableError")
+
+    def statistics(self) -> anyio.CapacityLimiterStatistics:
+        """The threads in use and the calls waiting for one."""
+        return self._threads.statistics()
+
+
+def _close_all(workers: list[TokenizerProcess]) -> None:
+    for worker in list(workers):
+        worker.close()

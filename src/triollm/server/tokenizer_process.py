@@ -1,0 +1,109 @@
+"""A tokenizer worker process: long texts encoded away from the server's interpreter.
+
+Encoding a long text in a thread of the server's own process would still stall the
+event loop: the tokenizer releases the GIL while it encodes, but making Python lists of
+its result and freeing it (an object per token) hold the GIL in proportion to the text.
+A worker process does all that on its own interpreter and sends back bytes, and only as
+much as the caller can use: the count and the last ``keep`` ids, or the ids as JSON.
+
+The parent side, ``TokenizerProcess``, is synchronous: a worker thread calls it and
+waits on the pipe. The child (this file run by the server's Python) reads
+pickled calls from stdin and writes pickled answers to stdout; it ends when its stdin
+closes, so it never outlives the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from array import array
+from collections.abc import Callable
+from typing import IO, Any
+
+__all__ = ["TokenizerProcess", "encode_json", "encode_tail"]
+
+
+def encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, keep: int
+                ) -> tuple[int, bytes]:
+    """The number of tokens of ``text`` and its last ``keep`` ids (int64 bytes)."""
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return len(ids), array("q", ids[-keep:]).tobytes()
+
+
+def encode_json(tokenizer: Any, text: str, add_special_tokens: bool) -> tuple[int, bytes]:
+    """The number of tokens of ``text`` and its ids as a JSON list."""
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return len(ids), json.dumps(ids, separators=(",", ":")).encode()
+
+
+_CALLS: dict[str, Callable[..., tuple[int, bytes]]] = {"encode_tail": encode_tail,
+                                                        "encode_json": encode_json}
+
+
+class TokenizerProcess:
+    """One worker process holding a copy of the server's tokenizer (sent pickled at
+    start). One call at a time; a broken process raises ``RuntimeError`` and is done."""
+
+    def __init__(self, pickled_tokenizer: bytes) -> None:
+        # the file itself, not the package (whose import the child has no use for);
+        # -P: its folder is not put on sys.path
+        self._process = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.broken = False
+        self._send(pickled_tokenizer)
+
+    def _send(self, message: object) -> None:
+        stdin = self._process.stdin
+        assert stdin is not None
+        pickle.dump(message, stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        stdin.flush()
+
+    def call(self, name: str, *args: object) -> Any:
+        """``name(tokenizer, *args)`` in the process (``encode_tail`` or
+        ``encode_json``)."""
+        try:
+            self._send((name, args))
+            assert self._process.stdout is not None
+            ok, value = pickle.load(self._process.stdout)
+        except (OSError, EOFError, pickle.UnpicklingError) as error:
+            self.close()
+            raise RuntimeError(f"the tokenizer process failed: {error!r}") from error
+        if not ok:
+            raise RuntimeError(f"the tokenizer failed: {value}")
+        return value
+
+    def close(self) -> None:
+        """End the process (it exits when its stdin closes)."""
+        self.broken = True
+        if self._process.stdin is not None and not self._process.stdin.closed:
+            try:
+                self._process.stdin.close()
+            except OSError:
+                pass
+        try:
+            self._process.wait(5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
+    tokenizer = pickle.loads(pickle.load(stdin))  # the server's own, pickled by it
+    while True:
+        try:
+            name, args = pickle.load(stdin)
+        except EOFError:
+            return
+        try:
+            answer: tuple[bool, object] = (True, _CALLS[name](tokenizer, *args))
+        except Exception as error:
+            answer = (False, f"{type(error).__name__}: {error}")
+        pickle.dump(answer, stdout, protocol=pickle.HIGHEST_PROTOCOL)
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve(sys.stdin.buffer, sys.stdout.buffer)
