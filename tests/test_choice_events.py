@@ -103,7 +103,7 @@ def run_calls(calls: list[Call], num_blocks: int
         core.add_request(str(i), {"prompt_token_ids": call.prompt}, SamplingParams(
             n=call.n, max_tokens=call.max_tokens, ignore_eos=True, stop=call.stop,
             output_kind=call.kind, seed=i))
-    for step in range(200):
+    for step in range(5000):  # preemption under few blocks recomputes a lot
         for i, call in enumerate(calls):
             if call.abort_at_step == step:
                 for output in core.abort_requests([str(i)]):
@@ -194,3 +194,18 @@ def test_a_streamed_choice_sends_its_finish_reason_once(server: ThreadedServer, 
                 # Deltas, then one finish, then nothing for that choice.
                 assert reasons[-1] in ("stop", "length")
                 assert all(reason is None for reason in reasons[:-1]), reasons
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_reports_every_choice_in_every_reply(server: ThreadedServer,
+                                                      stream: bool) -> None:
+    # /generate's texts are cumulative; its choices finish at different steps here.
+    body = {"prompt": "hello there", "n": 3, "max_tokens": 8, "stop": ["e", "a"],
+            "stream": stream}
+    response = httpx.post(server.url + "/generate", json=body, timeout=60)
+    assert response.status_code == 200
+    chunks = ([json.loads(c) for c in response.content.split(b"\0") if c] if stream
+              else [response.json()])
+    assert chunks and all(len(chunk["text"]) == 3 for chunk in chunks[1:])
+    assert len(chunks[-1]["text"]) == 3
+    assert all(text.startswith("hello there") for text in chunks[-1]["text"])
