@@ -55,10 +55,12 @@ class Call:
 
 calls = st.builds(
     Call,
-    prompt=st.lists(st.integers(5, VOCAB - 1), min_size=1, max_size=10),
+    prompt=st.lists(st.integers(5, VOCAB - 1), min_size=1, max_size=16),
     n=st.integers(1, 4),
-    max_tokens=st.integers(1, 10),
-    stop=st.lists(st.sampled_from(["e", "a", " ", "th", "in", "o", "zz"]), max_size=3),
+    max_tokens=st.integers(1, 16),
+    # Half without stop strings, so that requests run long enough to be preempted.
+    stop=st.one_of(st.just([]), st.lists(
+        st.sampled_from(["e", "a", " ", "th", "in", "o", "zz"]), min_size=1, max_size=3)),
     kind=st.sampled_from(list(RequestOutputKind)),
     abort_at_step=st.one_of(st.none(), st.integers(0, 12)),
 )
@@ -94,7 +96,7 @@ def check_choice_events(kind: RequestOutputKind, n: int, outputs: list[RequestOu
 def run_calls(calls: list[Call], num_blocks: int
               ) -> tuple[EngineCore, dict[str, list[RequestOutput]]]:
     args = EngineArgs(max_model_len=48, max_num_batched_tokens=16, block_size=4,
-                      max_num_seqs=6)
+                      max_num_seqs=8)
     core = EngineCore(args.create_engine_config(),
                       DivergingRunner(num_kv_blocks=num_blocks, vocab_size=VOCAB),
                       build_demo_tokenizer())
@@ -120,7 +122,7 @@ def run_calls(calls: list[Call], num_blocks: int
 def test_each_choice_finishes_exactly_once_in_the_engines_outputs() -> None:
     @settings(max_examples=300, deadline=None)
     @given(requests=st.lists(calls, min_size=1, max_size=4),
-           num_blocks=st.integers(14, 40))
+           num_blocks=st.integers(12, 40))
     def run(requests: list[Call], num_blocks: int) -> None:
         RUNS["examples"] += 1
         core, delivered = run_calls(requests, num_blocks)
