@@ -44,6 +44,27 @@ def server() -> Iterator[ThreadedServer]:
     assert not running.errors, running.errors
 
 
+def references(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key == "$ref" and isinstance(item, str):
+                yield item
+            else:
+                yield from references(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from references(item)
+
+
+def test_every_reference_in_the_document_resolves(server: ThreadedServer) -> None:
+    document = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
+    schemas = document["components"]["schemas"]
+    refs = set(references(document))
+    assert "#/components/schemas/ErrorResponse" in refs
+    assert {ref.rsplit("/", 1)[1] for ref in refs} <= set(schemas)
+    assert "HTTPValidationError" not in schemas  # a bad body is a 400 here, never a 422
+
+
 def test_no_input_gets_a_5xx_and_every_response_matches_the_document(
         server: ThreadedServer) -> None:
     raw = httpx.get(server.url + "/openapi.json", headers=AUTH).json()

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from triollm.server.middleware import OPEN_PATHS
+from triollm.server.protocol import ErrorResponse
 from triollm.server.streaming import NULL_DELIMITED_MEDIA_TYPE
 
 __all__ = ["install_openapi", "openapi_document"]
@@ -55,9 +56,12 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
     for path, operations in document.get("paths", {}).items():
         for operation in operations.values():
             _document_responses(path, operation)
-    schemas = document.get("components", {}).get("schemas", {})
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
+    error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(error.pop("$defs", {}))
+    schemas["ErrorResponse"] = error
     return document
 
 
