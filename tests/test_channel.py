@@ -7,6 +7,7 @@ outputs supersede each other; the consumer must still see exactly the concatenat
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import anyio
@@ -101,6 +102,35 @@ def test_cumulative_consumers_see_the_newest_state_in_order(
     lengths = [len(o.outputs[0].token_ids) for o in received]
     assert lengths == sorted(set(lengths)) and lengths[-1] == num_outputs
     assert received[-1].finished and not any(o.finished for o in received[:-1])
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+@given(changes=st.lists(st.integers(0, 2), min_size=1, max_size=30),
+       read_every=st.integers(1, 50))
+def test_cumulative_samples_behind_a_full_buffer_keep_their_newest_state(
+        backend: str, changes: list[int], read_every: int) -> None:
+    # n > 1: each output carries only the samples that changed; a folded output must
+    # keep every sample's newest state, not only the last output's samples.
+    async def main() -> list[RequestOutput]:
+        channel = RequestChannel("r", RequestOutputKind.CUMULATIVE, 1, anyio.Event)
+        received: list[RequestOutput] = []
+        lengths = [0, 0, 0]
+        for step, index in enumerate(changes):
+            lengths[index] += 1
+            channel.put(make_output([Piece(index, list(range(lengths[index])), False)],
+                                    step == len(changes) - 1, step))
+            if step % read_every == 0:
+                received.append(await channel.get())
+        return await read_to_end(channel, received)
+
+    received = anyio.run(main, backend=backend)
+    newest: dict[int, int] = {}
+    for output in received:
+        for completion in output.outputs:
+            assert len(completion.token_ids) >= newest.get(completion.index, 0)
+            newest[completion.index] = len(completion.token_ids)
+    assert newest == dict(Counter(changes))
+    assert received[-1].finished
 
 
 @pytest.mark.anyio

@@ -482,7 +482,8 @@ def test_hostile_requests_get_400s_and_the_server_keeps_serving(
     for body, param in [({"messages": []}, "messages"), ({"prompt": "a\ud800b"}, "prompt")]:
         assert_openai_error(post_json(server.url + "/tokenize", body), 400, param)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]}
-    assert_openai_error(post_json(server.url + "/v1/chat/completions", chat), 400, "messages")
+    assert_openai_error(post_json(server.url + "/v1/chat/completions", chat), 400,
+                        "messages[0].content")
     # Errors raised outside the routes: unknown route, wrong method, a body that does
     # not parse (invalid UTF-8, JSON nested deeper than Python's parser goes).
     assert_openai_error(httpx.get(server.url + "/v2/nothing", headers=AUTH), 404)

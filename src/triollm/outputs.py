@@ -106,7 +106,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request as delivered to its caller."""
+    """The state of one request as delivered to its caller.
+
+    With ``n > 1``, as in vLLM: a streamed output (DELTA, CUMULATIVE) carries only the
+    samples that changed since the last one (matched by ``CompletionOutput.index``),
+    each sample's finish exactly once; a FINAL_ONLY output carries all of them.
+    """
 
     request_id: str
     prompt: str | None

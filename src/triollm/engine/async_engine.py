@@ -40,6 +40,7 @@ from triollm.engine.stats import LoggingStatLogger, StatLogger, StatLoggers, sta
 from triollm.engine.tracing import RequestTracer
 from triollm.engine.worker import ModelJob, ModelWorker, open_model_worker
 from triollm.errors import EngineClosedError, EngineDeadError, RequestFailedError
+from triollm.log_text import MAX_LOGGED_ERROR_CHARS, clipped
 from triollm.outputs import EngineOutput, RequestOutput
 from triollm.step import RunnerOutput, SchedulerOutput, fill_pending_tokens
 
@@ -272,7 +273,8 @@ class AsyncLLMEngine(AsyncEngineRequests):
                 for output in core.process(scheduler_output, runner_output):
                     self._deliver(output)
                 for failure in core.take_failures():
-                    logger.error("request %s failed: %s", failure.request_id, failure.error)
+                    logger.error("request %s failed: %s", clipped(failure.request_id),
+                                 clipped(failure.error, MAX_LOGGED_ERROR_CHARS))
                     self._channels.fail(failure.request_id, failure.engine_id,
                                         RequestFailedError(f"request {failure.request_id!r} "
                                                            f"failed: {failure.error}"))
@@ -296,7 +298,8 @@ class AsyncLLMEngine(AsyncEngineRequests):
         if self._channels.deliver(output) and self.log_requests:
             reasons = ([c.finish_reason for c in output.outputs]
                        if isinstance(output, RequestOutput) else ["pooled"])
-            logger.info("Finished request %s (%s).", output.request_id, reasons)
+            logger.info("Finished request %s (%s).", clipped(output.request_id),
+                        clipped(reasons))
 
     def __repr__(self) -> str:
         state = "dead" if self.errored else "running" if self._running else "stopped"

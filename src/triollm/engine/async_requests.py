@@ -18,6 +18,7 @@ from triollm.engine.async_api import AsyncEngineAPI
 from triollm.engine.channel import RequestChannel
 from triollm.engine.inputs import PromptType
 from triollm.errors import EngineClosedError
+from triollm.log_text import MAX_LOGGED_PARAMS_CHARS, clipped
 from triollm.lora.request import LoRARequest
 from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from triollm.pooling_params import PoolingParams
@@ -184,8 +185,9 @@ class AsyncEngineRequests(AsyncEngineAPI):
 
     def _log_request(self, request_id: str, prompt: PromptType,
                      params: SamplingParams | PoolingParams) -> None:
-        logger.info("Received request %s: prompt: %r, params: %s.", request_id,
-                    _shown_prompt(prompt, self.max_log_len), params)
+        logger.info("Received request %s: prompt: %r, params: %s.", clipped(request_id),
+                    _shown_prompt(prompt, self.max_log_len),
+                    clipped(params, MAX_LOGGED_PARAMS_CHARS))
 
     def _abort_now(self, channel: RequestChannel) -> None:
         """Abort the request behind ``channel`` (by its engine id: a request that reuses
@@ -198,7 +200,7 @@ class AsyncEngineRequests(AsyncEngineAPI):
         if outputs:
             self._record_stats()
             if self.log_requests:
-                logger.info("Aborted request %s.", channel.request_id)
+                logger.info("Aborted request %s.", clipped(channel.request_id))
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort one request or several: each stream ends with a final output whose

@@ -3,8 +3,9 @@
 The step loop must never wait for a consumer, and a consumer that lags must not make
 the engine hold one output per step for it. So a ``RequestChannel`` is a bounded anyio
 memory object stream written with ``send_nowait``; behind a full buffer the newest
-outputs fold into one pending output: DELTA outputs concatenate, CUMULATIVE and
-FINAL_ONLY outputs supersede. Folding is in place (token ids and logprobs extended,
+outputs fold into one pending output: DELTA outputs concatenate, CUMULATIVE ones
+supersede sample by sample (an output carries only the samples that changed), FINAL_ONLY
+ones supersede. Folding is in place (token ids and logprobs extended,
 text pieces joined once when the consumer reads), so a stalled stream costs the loop
 the size of each new output, not the size of its whole backlog.
 
@@ -17,6 +18,7 @@ delivery).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
@@ -171,6 +173,18 @@ class _DeltaBacklog:
         )
 
 
+def _superseded(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """``newer`` with the samples only ``older`` carried (CUMULATIVE outputs of ``n > 1``
+    carry the samples that changed; each one's latest state wins)."""
+    carried = {completion.index for completion in newer.outputs}
+    kept = [completion for completion in older.outputs if completion.index not in carried]
+    if not kept:
+        return newer
+    outputs = sorted([*kept, *newer.outputs], key=lambda completion: completion.index)
+    return dataclasses.replace(newer, outputs=outputs,
+                               prompt_logprobs=newer.prompt_logprobs or older.prompt_logprobs)
+
+
 class RequestChannel:
     """The outputs of one request, from the step loop (``put``, ``fail``, ``close``,
     never blocking) to its one consumer (``get``)."""
@@ -217,7 +231,10 @@ class RequestChannel:
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass  # the consumer has gone; its request is aborted by generate()
         elif self.output_kind is not RequestOutputKind.DELTA:
-            self._pending = output
+            self._pending = (_superseded(pending, output)
+                             if self.output_kind is RequestOutputKind.CUMULATIVE
+                             and isinstance(pending, RequestOutput)
+                             and isinstance(output, RequestOutput) else output)
         else:
             # only generation requests stream DELTA outputs
             assert isinstance(output, RequestOutput) and not isinstance(

@@ -126,18 +126,28 @@ class OutputProcessor:
     # -- outputs ---------------------------------------------------------------------
 
     def make_output(self, parent: ParentRequest, finished: bool) -> RequestOutput | None:
-        """The output to deliver now (None for a FINAL_ONLY request still running)."""
+        """The output to deliver now (None for a FINAL_ONLY request still running, or
+        when no sample has anything new).
+
+        Streaming (DELTA, CUMULATIVE), as vLLM does for ``n > 1``: an output carries the
+        samples that changed since the last one (new tokens, or their finish), each one's
+        finish exactly once; DELTA gives the new part, CUMULATIVE all of it so far.
+        FINAL_ONLY: every sample, once, when the request finishes.
+        """
         kind = parent.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        delta = kind is RequestOutputKind.DELTA
-        completions = [_completion(child, delta) for child in parent.children]
-        if delta:
-            completions = [c for c, child in zip(completions, parent.children, strict=True)
-                           if c.token_ids or c.text or child.is_finished]
+        if kind is RequestOutputKind.FINAL_ONLY:
+            if not finished:
+                return None
+            completions = [_completion(child, False) for child in parent.children]
+        else:
+            delta = kind is RequestOutputKind.DELTA
+            completions = [_completion(child, delta) for child in parent.children
+                           if _has_news(child)]
+            if not completions:
+                return None
         first = parent.children[0]
         prompt_logprobs = first.prompt_logprobs
-        if delta and parent.prompt_logprobs_sent:
+        if kind is RequestOutputKind.DELTA and parent.prompt_logprobs_sent:
             prompt_logprobs = None
         parent.prompt_logprobs_sent = True
         return RequestOutput(
@@ -151,14 +161,22 @@ class OutputProcessor:
         )
 
 
+def _has_news(request: Request) -> bool:
+    """Whether a sample has tokens or a finish that no output has carried yet."""
+    if request.finish_delivered:
+        return False
+    return request.is_finished or request.num_output_tokens > request.num_delivered_tokens
+
+
 def _completion(request: Request, delta: bool) -> CompletionOutput:
     finished = request.is_finished
     text = request.detokenizer.text_to_deliver(finished) if request.detokenizer else ""
     logprobs = request.logprobs
+    text_start, token_start = request.num_delivered_chars, request.num_delivered_tokens
+    request.num_delivered_chars = len(text)
+    request.num_delivered_tokens = request.num_output_tokens
+    request.finish_delivered = finished
     if delta:
-        text_start, token_start = request.num_delivered_chars, request.num_delivered_tokens
-        request.num_delivered_chars = len(text)
-        request.num_delivered_tokens = request.num_output_tokens
         text = text[text_start:]
         tokens = request.all_token_ids[request.num_prompt_tokens + token_start:]
         logprobs = logprobs[token_start:] if logprobs is not None else None

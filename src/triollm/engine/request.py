@@ -92,6 +92,9 @@ class Request:
         self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
         self.num_delivered_tokens = 0
         self.num_delivered_chars = 0
+        #: Whether an output carrying its finish reason has been made: a finished
+        #: sample is reported once, not in every later output of its request.
+        self.finish_delivered = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,7 +27,7 @@ from starlette.middleware.cors import CORSMiddleware
 import triollm
 from triollm.server.errors import add_error_handlers
 from triollm.server.middleware import ASGIApp, RequestLifetime
-from triollm.server.protocol import ErrorResponse
+from triollm.server.openapi import install_openapi
 from triollm.server.routes import (
     chat,
     completions,
@@ -53,9 +53,9 @@ def build_app(state: ServerState, *, api_docs: bool = True) -> ASGIApp:
     docs: dict[str, Any] = {} if api_docs else {"docs_url": None, "redoc_url": None,
                                                  "openapi_url": None}
     app = FastAPI(title="triollm", version=triollm.__version__,
-                  description="OpenAI-compatible LLM server",
-                  responses={400: {"model": ErrorResponse}}, **docs)
+                  description="OpenAI-compatible LLM server", **docs)
     app.state.triollm = state
+    install_openapi(app)
     add_error_handlers(app)
     for routes in (health, models, tokenize, completions, chat, responses, invocations,
                    generate, pooling):

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from triollm.errors import EngineDeadError, RequestFailedError
+from triollm.log_text import clipped
 
 __all__ = ["OpenAIError", "add_error_handlers", "bad_request", "engine_unavailable",
            "error_json", "remember_request_id", "request_id_of", "stream_error_event"]
@@ -42,7 +43,17 @@ class OpenAIError(Exception):
                           "code": self.status}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return _ErrorResponse(self.body(), status_code=self.status)
+
+
+class _ErrorResponse(JSONResponse):
+    """An error's JSON: text that UTF-8 cannot encode (a lone surrogate a message
+    quotes) is written as its JSON escape instead of failing."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":")).encode(
+            "utf-8", "backslashreplace")
 
 
 def bad_request(error: ValueError) -> OpenAIError:
@@ -74,8 +85,8 @@ def engine_unavailable(error: BaseException) -> OpenAIError:
     return OpenAIError(503, "The server is shutting down.", type="ServiceUnavailableError")
 
 
-def error_json(status: int, message: str, type: str) -> bytes:
-    return json.dumps(OpenAIError(status, message, type=type).body()).encode()
+def error_json(status: int, message: str, type: str, param: str | None = None) -> bytes:
+    return json.dumps(OpenAIError(status, message, type=type, param=param).body()).encode()
 
 
 def stream_error_event(error: BaseException) -> dict[str, Any]:
@@ -136,7 +147,7 @@ async def _internal_error(request: Request, error: Exception) -> JSONResponse:
     """A bug's 500, in OpenAI's shape, logged with its traceback and the request's id.
     (Starlette calls this for any exception a route raises, also once a stream has
     started, when only the log is left to do.)"""
-    logger.error("%s %s (request id %s) failed", request.method, request.url.path,
+    logger.error("%s %s (request id %s) failed", request.method, clipped(request.url.path),
                  request_id_of(request.scope), exc_info=error)
     return OpenAIError(500, f"Internal server error: {type(error).__name__}",
                        type="InternalServerError").response()
@@ -147,10 +158,10 @@ def request_id_of(scope: Mapping[str, Any]) -> str:
     (``remember_request_id``), else the client's ``X-Request-Id``, else "-"."""
     chosen = (scope.get("state") or {}).get("request_id")
     if chosen:
-        return str(chosen)
+        return clipped(chosen)
     for name, value in scope.get("headers") or ():
         if name == b"x-request-id":
-            return str(value.decode("latin-1"))
+            return clipped(value.decode("latin-1"))
     return "-"
 
 

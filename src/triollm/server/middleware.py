@@ -1,7 +1,8 @@
 """The ASGI layer outside FastAPI: ``RequestLifetime`` owns each HTTP request's lifetime.
 
 It checks the API key (401; every route but ``/health``, ``/ping`` and ``/metrics``),
-reads the whole body (413 over the limit), hands it to the app, and meanwhile watches
+reads the whole body (413 over the limit; 400 for a JSON body with a lone surrogate,
+body_text.py), hands it to the app, and meanwhile watches
 for ``http.disconnect``: a client that goes away cancels the request's scope, so
 ``engine.generate`` aborts the request within one engine step, streaming or not.
 (Hypercorn drops sends after a close silently and does not cancel handlers, so nothing
@@ -20,6 +21,8 @@ from typing import Any
 
 import anyio
 
+from triollm.log_text import clipped
+from triollm.server.body_text import lone_surrogate_field
 from triollm.server.errors import error_json, request_id_of
 from triollm.server.state import ServerState
 
@@ -66,6 +69,13 @@ class RequestLifetime:
             await send_json(send, 413, error_json(
                 413, f"Request body larger than {self.state.settings.max_request_body_bytes}"
                 " bytes", "RequestTooLargeError"))
+            return
+        field = lone_surrogate_field(body)
+        if field is not None:
+            field = clipped(field)
+            await send_json(send, 400, error_json(
+                400, f"{field}: is not valid Unicode text (a lone surrogate)",
+                "BadRequestError", param=field))
             return
         self.state.request_started()
         try:
@@ -114,7 +124,7 @@ class RequestLifetime:
             if started:
                 return  # the app's own 500 handler answered and logged it (errors.py)
             logger.error("%s %s (request id %s) failed", scope.get("method"),
-                         scope.get("path"), request_id_of(scope), exc_info=error)
+                         clipped(scope.get("path")), request_id_of(scope), exc_info=error)
             await send_json(send, 500, error_json(
                 500, f"Internal server error: {type(error).__name__}", "InternalServerError"))
 

@@ -42,6 +42,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from triollm.engine.async_engine import AsyncLLMEngine
 from triollm.entrypoints.chat_utils import ContentFormat
+from triollm.server import protocol_errors
 from triollm.server.app import build_app
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -138,6 +139,7 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
         return_tokens_as_token_ids=options.return_tokens_as_token_ids,
         cors=options.cors), metrics)
     app = build_app(state, api_docs=options.api_docs)
+    protocol_errors.install()  # hypercorn's 400 and 431 in OpenAI's shape
     config = Config()
     config.bind = ([f"unix:{options.uds}"] if options.uds is not None
                    else [f"{_bracket(options.host)}:{options.port}"])

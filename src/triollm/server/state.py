@@ -13,6 +13,7 @@ from fastapi import Request
 
 from triollm.entrypoints.chat_utils import ContentFormat, render_chat_text
 from triollm.errors import EngineClosedError
+from triollm.log_text import clipped_names
 from triollm.lora.request import LoRARequest
 from triollm.sampling_params import check_text
 from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
@@ -189,7 +190,7 @@ class ServerState:
             raise bad_request(error) from error
         if ignored:
             logger.warning("The following fields were present in the request but "
-                           "ignored: %s", sorted(ignored))
+                           "ignored: %s", clipped_names(ignored))
 
     def tokens_as_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
         """Whether logprob tokens are written ``token_id:N``: the request's field, else

@@ -27,8 +27,11 @@ from triollm.server.request import GenerationRequest
 if TYPE_CHECKING:
     from triollm.engine.async_engine import AsyncLLMEngine
 
-__all__ = ["BuildReply", "Emit", "EventStream", "NullDelimitedStream", "WriteEvents",
-           "respond", "run_stream"]
+__all__ = ["NULL_DELIMITED_MEDIA_TYPE", "BuildReply", "Emit", "EventStream",
+           "NullDelimitedStream", "WriteEvents", "respond", "run_stream"]
+
+#: The media type of a streamed /generate (JSON objects, each followed by NUL).
+NULL_DELIMITED_MEDIA_TYPE = "application/octet-stream"
 
 #: Sends one ``data:`` event: a JSON object, or a string as is (``[DONE]``).
 Emit = Callable[[dict[str, Any] | str], Awaitable[None]]
@@ -100,21 +103,24 @@ async def run_stream(emit: Emit, producers: list[Callable[[], Coroutine[Any, Any
 
 
 class NullDelimitedStream(_OwnedStream):
-    """The seed's streaming /generate: cumulative texts as JSON, each followed by NUL.
-    An engine that dies or shuts down mid-stream ends it with an ``{"error": ...}``
-    chunk in OpenAI's shape."""
+    """The seed's streaming /generate: cumulative texts as JSON, each followed by NUL
+    (so not one JSON document: ``application/octet-stream``). An engine that dies or
+    shuts down mid-stream ends it with an ``{"error": ...}`` chunk in OpenAI's shape."""
 
     def __init__(self, engine: AsyncLLMEngine, request: GenerationRequest) -> None:
-        super().__init__(engine, request, "application/json")
+        super().__init__(engine, request, NULL_DELIMITED_MEDIA_TYPE)
 
     async def write(self, submitted: list[Submitted], send: Send) -> None:
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})
+                    "headers": [(b"content-type", NULL_DELIMITED_MEDIA_TYPE.encode())]})
         [item] = submitted
         output: RequestOutput | None = item.first
+        # A CUMULATIVE output carries the samples that changed; each chunk has them all.
+        texts: dict[int, str] = {}
         while output is not None:
             prompt = output.prompt or ""
-            chunk = json.dumps({"text": [prompt + c.text for c in output.outputs]})
+            texts.update((c.index, c.text) for c in output.outputs)
+            chunk = json.dumps({"text": [prompt + texts[i] for i in sorted(texts)]})
             await send({"type": "http.response.body",
                         "body": chunk.encode() + b"\0", "more_body": True})
             try:

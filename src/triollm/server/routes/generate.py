@@ -69,8 +69,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         trace_headers=trace_headers_from(request.headers))
     if work.stream:
         return NullDelimitedStream(state.engine, work)
+    # CUMULATIVE outputs carry the samples that changed: the reply is each one's last.
+    texts: dict[int, str] = {}
     async with open_streams(state.engine, work) as [item]:
-        final = item.first
         async for output in outputs(item):
-            final = output
-    return JSONResponse({"text": [body.prompt + c.text for c in final.outputs]})
+            texts.update((c.index, c.text) for c in output.outputs)
+    return JSONResponse({"text": [body.prompt + texts[i] for i in sorted(texts)]})

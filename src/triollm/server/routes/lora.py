@@ -21,6 +21,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from triollm.errors import LoRAAdapterNotFoundError
+from triollm.log_text import clipped
 from triollm.lora.request import LoRARequest
 from triollm.server.errors import OpenAIError
 from triollm.server.state import ServerState, server_state
@@ -100,7 +101,7 @@ async def load_adapter(state: ServerState, name: str, path: str, *,
     if previous is not None and not same_place:
         await state.engine.remove_lora(previous.lora_int_id)
     state.loras[name] = request
-    logger.info("Loaded LoRA adapter: name '%s', path '%s'", name, path)
+    logger.info("Loaded LoRA adapter: name '%s', path '%s'", clipped(name), clipped(path))
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -140,5 +141,5 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
                           param="lora_int_id")
     del state.loras[body.lora_name]
     await state.engine.remove_lora(lora.lora_int_id)
-    logger.info("Removed LoRA adapter: name '%s'", body.lora_name)
+    logger.info("Removed LoRA adapter: name '%s'", clipped(body.lora_name))
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
