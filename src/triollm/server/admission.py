@@ -33,6 +33,8 @@ _CLOSE = (b"connection", b"close")
 
 @dataclass(frozen=True)
 class AdmissionLimits:
+    """What ``Admission`` holds requests to."""
+
     #: HTTP requests in the app at once; None: no limit.
     limit_concurrency: int | None = None
     #: Seconds from a request's headers to the end of its body; None: no limit.
@@ -49,9 +51,6 @@ class Admission:
         self.limits = limits
         #: Counted requests now in the app.
         self.in_flight = 0
-        #: Requests answered 503, 408 and 431 since the start.
-        self.refused = 0
-        self.timed_out = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,7 +66,6 @@ class Admission:
             await self._run(scope, receive, send)
             return
         if limits.limit_concurrency is not None and self.in_flight >= limits.limit_concurrency:
-            self.refused += 1
             await _send_error(send, 503, "The server is at its limit of "
                               f"{limits.limit_concurrency} concurrent requests; retry later",
                               "ServiceUnavailableError")
@@ -109,11 +107,9 @@ class Admission:
 
         with anyio.CancelScope() as app_scope:
             await self.app(scope, timed_receive, tracking_send)
-        if timed_out:
-            self.timed_out += 1
-            if not started:
-                await _send_error(send, 408, f"The request body did not arrive within "
-                                  f"{timeout:g} s", "RequestTimeoutError")
+        if timed_out and not started:
+            await _send_error(send, 408, f"The request body did not arrive within "
+                              f"{timeout:g} s", "RequestTimeoutError")
 
 
 async def _send_error(send: Send, status: int, message: str, type: str) -> None:
