@@ -1,10 +1,10 @@
 """What glibc's malloc settings (model/cpu/malloc.py) buy in speed, in one run.
 
 Each round starts one process per setting, in turn, on the benchmarks' random-weight
-Llama (common.save_llama: 12 layers, hidden 768, bf16): a prefill workload
-(``--prefill-prompts`` prompts of 512 tokens, one output token each) and a decode
-workload (32 prompts of 16 tokens, 64 output tokens each) through ``LLM.generate``,
-after a warm-up. Settings (chosen through the environment, so one build serves all):
+Llama (common.save_llama: 12 layers, hidden 768, bf16) through ``LLM.generate``, after
+a warm-up: a prefill workload (``--prefill-prompts`` prompts of 512 tokens, one output
+token each) and a decode workload (``--decode-prompts`` prompts of 16 tokens, 64 output
+tokens each). Settings (chosen through the environment, so one build serves all):
 
 * ``glibc``: glibc's own dynamic thresholds (``TRIOLLM_KEEP_MALLOC=1``);
 * ``kept``: triollm's (mmap threshold 32 MiB, trim threshold 2 GiB);
@@ -45,7 +45,7 @@ def environment(setting: str) -> dict[str, str]:
     return env
 
 
-def child(path: str, prefill_prompts: int) -> None:
+def child(path: str, prefill_prompts: int, decode_prompts: int) -> None:
     """One process's measurement, printed as a JSON line."""
     import random
     import resource
@@ -68,7 +68,7 @@ def child(path: str, prefill_prompts: int) -> None:
 
     run(4, 512, 1)
     run(8, 16, 16)
-    result = {"prefill": run(prefill_prompts, 512, 1), "decode": run(32, 16, 64),
+    result = {"prefill": run(prefill_prompts, 512, 1), "decode": run(decode_prompts, 16, 64),
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -77,12 +77,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefill-prompts", type=int, default=32)
+    parser.add_argument("--decode-prompts", type=int, default=32)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS),
                         help=f"which settings to compare (default: {' '.join(SETTINGS)})")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
-        child(options.child, options.prefill_prompts)
+        child(options.child, options.prefill_prompts, options.decode_prompts)
         return
     results: dict[str, list[dict[str, float]]] = {setting: [] for setting in options.settings}
     load_before = os.getloadavg()
@@ -92,7 +93,8 @@ def main() -> None:
             for setting in options.settings:
                 done = subprocess.run(
                     [sys.executable, __file__, "--child", directory, "--prefill-prompts",
-                     str(options.prefill_prompts)], env=environment(setting),
+                     str(options.prefill_prompts), "--decode-prompts",
+                     str(options.decode_prompts)], env=environment(setting),
                     capture_output=True, text=True, check=True)
                 line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
                 result = json.loads(line.removeprefix("RESULT "))

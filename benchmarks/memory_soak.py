@@ -66,7 +66,7 @@ def main() -> None:
             break
     assert url is not None, "the server did not start"
     threading.Thread(target=lambda: [None for _ in process.stdout or []], daemon=True).start()
-    client = httpx.Client(timeout=120)
+    client = httpx.Client(timeout=900)
     rng = random.Random(0)
 
     def one(i: int) -> None:
