@@ -230,11 +230,11 @@ def run_phase(url: str, options: argparse.Namespace,
         thread.start()
     time.sleep(options.seconds)
     stop.set()
+    stop_hostile.set()  # no hostile request starts after the phase
     for thread in honest:
         thread.join()
     phase.seconds = time.perf_counter() - started
     phase.others_cores = sampler.others_cores()
-    stop_hostile.set()
     if hostile_thread is not None:
         hostile_thread.join(120)  # a hostile request still in flight is waited for
     return phase
