@@ -20,10 +20,12 @@ baseline phases one more thread sends one kind of hostile request in a loop:
 Reported per phase: the honest clients' output tokens/s and p99 TPOT (per request:
 seconds from its first to its last event over its tokens after the first), each as a
 ratio to the baseline measured in the same run (the mean of the phases before and after
-the hostile ones), the largest gap between two events of an honest stream (a stalled
-event loop shows here), the hostile requests' statuses, and the CPU the rest of the
-machine used meanwhile (vs_vllm.py's ``LoadSampler``, in cores): a figure measured
-while others used more than a tenth of a core is noisy. The target is under 10% loss.
+the hostile ones), the p99 time to first token and the largest gap between two events
+of an honest stream (a stalled event loop shows in one of these, or in throughput alone
+when the stall lands before a request's first event), the hostile requests' statuses,
+and the CPU the rest of the machine used meanwhile (vs_vllm.py's ``LoadSampler``, in
+cores): a figure measured while others used more than a tenth of a core is noisy.
+The target is under 10% loss.
 
     python benchmarks/hostile_load.py                    # every kind, 15 s phases
     python benchmarks/hostile_load.py --kinds stop-300k slow-body --seconds 10
@@ -62,6 +64,7 @@ KINDS = ("tokenize-8mb", "completions-8mb", "chat-8mb", "template", "stop-300k",
 class Phase:
     tokens: int = 0
     tpots: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
     max_gap: float = 0.0
     seconds: float = 0.0
     hostile: dict[str, int] = field(default_factory=dict)
@@ -74,6 +77,10 @@ class Phase:
     @property
     def p99_tpot(self) -> float:
         return quantile(self.tpots, 0.99) if self.tpots else float("nan")
+
+    @property
+    def p99_ttft(self) -> float:
+        return quantile(self.ttfts, 0.99) if self.ttfts else float("nan")
 
 
 @contextmanager
@@ -110,6 +117,7 @@ def honest_client(url: str, model: str, max_tokens: int, stop: threading.Event,
         while not stop.is_set():
             times: list[float] = []
             tokens = 0
+            sent = time.perf_counter()
             with client.stream("POST", url + "/v1/completions", json={
                     "model": model, "prompt": "the cat sat on the", "max_tokens": max_tokens,
                     "ignore_eos": True, "stream": True,
@@ -126,6 +134,8 @@ def honest_client(url: str, model: str, max_tokens: int, stop: threading.Event,
             with lock:
                 phase.tokens += tokens
                 phase.max_gap = max([phase.max_gap, *gaps])
+                if times:
+                    phase.ttfts.append(times[0] - sent)
                 if tokens > 1 and len(times) > 1:
                     phase.tpots.append((times[-1] - times[0]) / (tokens - 1))
 
@@ -247,8 +257,8 @@ def report(name: str, phase: Phase, base: tuple[float, float] | None) -> None:
                   f"{phase.p99_tpot / base[1]:5.2f}x p99 TPOT")
     statuses = " ".join(f"{key}:{value}" for key, value in sorted(phase.hostile.items()))
     print(f"{name:17s} {phase.rate:7.1f} tok/s  p99 TPOT {1000 * phase.p99_tpot:7.1f} ms  "
-          f"max gap {1000 * phase.max_gap:7.0f} ms{ratios}  others "
-          f"{phase.others_cores:.2f} cores  {statuses}", flush=True)
+          f"p99 TTFT {1000 * phase.p99_ttft:7.0f} ms  max gap {1000 * phase.max_gap:7.0f} "
+          f"ms{ratios}  others {phase.others_cores:.2f} cores  {statuses}", flush=True)
 
 
 def run_server_phases(options: argparse.Namespace, kinds: list[str], extra: list[str]
