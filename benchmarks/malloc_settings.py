@@ -45,7 +45,7 @@ def environment(setting: str) -> dict[str, str]:
     return env
 
 
-def child(path: str, prefill_prompts: int, decode_prompts: int) -> None:
+def child(path: str, prefill_prompts: int, decode_prompts: int, eager: bool) -> None:
     """One process's measurement, printed as a JSON line."""
     import random
     import resource
@@ -53,7 +53,8 @@ def child(path: str, prefill_prompts: int, decode_prompts: int) -> None:
 
     from triollm import LLM, SamplingParams
 
-    llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=32)
+    llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=32,
+              enforce_eager=eager)
     rng = random.Random(0)
     vocab = llm.get_tokenizer().vocab_size
 
@@ -78,12 +79,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefill-prompts", type=int, default=32)
     parser.add_argument("--decode-prompts", type=int, default=32)
+    parser.add_argument("--eager", action="store_true",
+                        help="enforce_eager (no torch.compile: starts in seconds)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS),
                         help=f"which settings to compare (default: {' '.join(SETTINGS)})")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
-        child(options.child, options.prefill_prompts, options.decode_prompts)
+        child(options.child, options.prefill_prompts, options.decode_prompts, options.eager)
         return
     results: dict[str, list[dict[str, float]]] = {setting: [] for setting in options.settings}
     load_before = os.getloadavg()
@@ -94,7 +97,8 @@ def main() -> None:
                 done = subprocess.run(
                     [sys.executable, __file__, "--child", directory, "--prefill-prompts",
                      str(options.prefill_prompts), "--decode-prompts",
-                     str(options.decode_prompts)], env=environment(setting),
+                     str(options.decode_prompts), *(["--eager"] if options.eager else [])],
+                    env=environment(setting),
                     capture_output=True, text=True, check=True)
                 line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
                 result = json.loads(line.removeprefix("RESULT "))
