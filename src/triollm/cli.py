@@ -22,6 +22,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from triollm.connection_flags import add_connection_arguments, connection_options
 from triollm.engine.args import AsyncEngineArgs, EngineArgs
 from triollm.entrypoints.chat_utils import CONTENT_FORMATS
 from triollm.refused_flags import add_refused_flags
@@ -241,7 +242,7 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
             allowed_methods=tuple(namespace.allowed_methods),
             allowed_headers=tuple(namespace.allowed_headers)),
         log_stats_interval=None if namespace.disable_log_stats else 10.0,
-        lora_modules=tuple(namespace.lora_modules))
+        lora_modules=tuple(namespace.lora_modules), **connection_options(namespace))
 
 
 def _json_list(text: str) -> list[str]:
@@ -332,6 +333,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
                         help="a request whose reply could carry more logprob entries (n x "
                              "tokens x (logprobs + 1), echoed prompt included) gets 400 "
                              f"(default: {DEFAULT_MAX_LOGPROB_ENTRIES})")
+    add_connection_arguments(server)
     server.add_argument("--uvicorn-log-level", default="info", type=str.lower,
                         choices=["trace", "debug", "info", "warning", "error", "critical"],
                         help="log level (vLLM's name for it; default: info)")

@@ -4,9 +4,12 @@ server."""
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_MAX_LOGPROB_ENTRIES", "DEFAULT_MAX_REQUEST_BODY_BYTES", "LONG_TEXT_CHARS",
-           "MAX_N", "MAX_OFFLOAD_WAITING", "MAX_STRING_LIST_CHARS", "MAX_STRING_LIST_ITEMS",
-           "OFFLOAD_PROCESSES", "OFFLOAD_THREADS"]
+__all__ = ["DEFAULT_BACKLOG", "DEFAULT_BODY_READ_TIMEOUT",
+           "DEFAULT_H11_MAX_HEADER_COUNT", "DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE",
+           "DEFAULT_KEEP_ALIVE_TIMEOUT", "DEFAULT_LIMIT_CONCURRENCY",
+           "DEFAULT_MAX_LOGPROB_ENTRIES", "DEFAULT_MAX_REQUEST_BODY_BYTES",
+           "LONG_TEXT_CHARS", "MAX_N", "MAX_OFFLOAD_WAITING", "MAX_STRING_LIST_CHARS",
+           "MAX_STRING_LIST_ITEMS", "OFFLOAD_PROCESSES", "OFFLOAD_THREADS"]
 
 #: OpenAI's own limit on ``n`` (choices per prompt).
 MAX_N = 128
@@ -27,3 +30,19 @@ MAX_OFFLOAD_WAITING = 512
 #: strings, the bad words tokenized), so its size is bounded.
 MAX_STRING_LIST_ITEMS = 128
 MAX_STRING_LIST_CHARS = 4096
+
+# What one connection may hold (server/admission.py, hypercorn's config).
+#: HTTP requests served at once (``--limit-concurrency``); one more gets 503.
+DEFAULT_LIMIT_CONCURRENCY = 2048
+#: Seconds from a request's headers to the end of its body (``--body-read-timeout``);
+#: a slower body gets 408. An 8 MiB body needs 280 KB/s.
+DEFAULT_BODY_READ_TIMEOUT = 30.0
+#: Seconds an idle connection stays open (``--timeout-keep-alive``; uvicorn's and
+#: vLLM's 5, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); also the time to send the headers.
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
+#: Connections the kernel queues unaccepted (uvicorn's 2048).
+DEFAULT_BACKLOG = 2048
+#: vLLM's defaults for ``--h11-max-incomplete-event-size`` (bytes of a request line and
+#: headers) and ``--h11-max-header-count``.
+DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 4 * 1024 * 1024
+DEFAULT_H11_MAX_HEADER_COUNT = 256

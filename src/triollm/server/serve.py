@@ -43,9 +43,19 @@ from hypercorn.trio import serve as hypercorn_serve
 from triollm.engine.async_engine import AsyncLLMEngine
 from triollm.entrypoints.chat_utils import ContentFormat
 from triollm.server import protocol_errors
+from triollm.server.admission import Admission, AdmissionLimits
 from triollm.server.app import build_app
 from triollm.server.errors import OpenAIError
-from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
+from triollm.server.limits import (
+    DEFAULT_BACKLOG,
+    DEFAULT_BODY_READ_TIMEOUT,
+    DEFAULT_H11_MAX_HEADER_COUNT,
+    DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+    DEFAULT_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+)
 from triollm.server.metrics import PrometheusStatLogger
 from triollm.server.routes.lora import LoRAModulePath, load_adapter
 from triollm.server.state import CorsSettings, ServerSettings, ServerState
@@ -76,6 +86,19 @@ class ServerOptions:
     engine_death_grace: float = 2.0
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
+    #: HTTP requests served at once, /health, /ping and /metrics not counted; one more
+    #: gets 503 (uvicorn's --limit-concurrency). None: no limit.
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY
+    #: Seconds a request's body may take to arrive after its headers (else 408).
+    body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT
+    #: Seconds an idle connection stays open (uvicorn's --timeout-keep-alive).
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
+    #: Connections the kernel queues before they are accepted (listen's backlog).
+    backlog: int = DEFAULT_BACKLOG
+    #: vLLM's --h11-max-incomplete-event-size: the bytes of a request line and headers.
+    h11_max_incomplete_event_size: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE
+    #: vLLM's --h11-max-header-count: more headers get 431.
+    h11_max_header_count: int = DEFAULT_H11_MAX_HEADER_COUNT
     chat_template: str | None = None
     chat_template_content_format: ContentFormat = "auto"
     trust_request_chat_template: bool = False
@@ -138,7 +161,10 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
         trust_request_chat_template=options.trust_request_chat_template,
         return_tokens_as_token_ids=options.return_tokens_as_token_ids,
         cors=options.cors), metrics)
-    app = build_app(state, api_docs=options.api_docs)
+    app = Admission(build_app(state, api_docs=options.api_docs), AdmissionLimits(
+        limit_concurrency=options.limit_concurrency,
+        body_read_timeout=options.body_read_timeout,
+        max_header_count=options.h11_max_header_count))
     protocol_errors.install()  # hypercorn's 400 and 431 in OpenAI's shape
     config = Config()
     config.bind = ([f"unix:{options.uds}"] if options.uds is not None
@@ -151,6 +177,9 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
     config.graceful_timeout = options.shutdown_grace + FINAL_WORDS_SECONDS + 1.0
     config.loglevel = options.log_level.upper()
     config.accesslog = "-" if options.access_log else None
+    config.keep_alive_timeout = options.keep_alive_timeout
+    config.backlog = options.backlog
+    config.h11_max_incomplete_size = options.h11_max_incomplete_event_size
 
     stop_serving = trio.Event()
     engine_scope = trio.CancelScope()
