@@ -2,7 +2,7 @@
 served or refused, a concurrent ``/health`` probe and a concurrent stream's events keep
 coming. A request that had the loop to itself would stall both for about its own
 duration, so each test bounds the worst wait by a fraction of that duration, measured
-in the same test (and never below 0.1 s)."""
+in the same test (and never below 0.25 s, a loaded 2-core box's own scatter)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from triollm import AsyncEngineArgs, AsyncLLMEngine
 MAX_MODEL_LEN = 256
 #: A text the test tokenizer needs a second or more to encode (on the loop, a stall).
 LONG_TEXT = "hello world " * 25_000
-#: A request's own chat template that renders for a second or more.
-SLOW_TEMPLATE = ("{% for i in range(2500) %}{% for j in range(1000) %}{% endfor %}"
+#: A request's own chat template that renders for a few seconds.
+SLOW_TEMPLATE = ("{% for i in range(16000) %}{% for j in range(1000) %}{% endfor %}"
                  "{% endfor %}{{ messages[0]['content'] }}")
 
 
@@ -106,7 +106,7 @@ def served_beside_probes(server: ThreadedServer, path: str, body: dict[str, Any]
         reply = httpx.post(server.url + path, json=body, timeout=300)
         end = time.perf_counter()
         time.sleep(0.05)  # let the probes in flight finish
-    bound = max(0.1, (end - start) / 3)
+    bound = max(0.25, (end - start) / 3)
     health, gap = probes.worst(start, end)
     assert health < bound and gap < bound, (
         f"{path}: /health waited {health:.3f}s and the stream {gap:.3f}s while the "
@@ -190,14 +190,14 @@ def test_detokenize_is_bounded_by_the_context(server: ThreadedServer) -> None:
 
 
 def test_text_no_tokenizer_can_encode_is_a_400_on_every_route(server: ThreadedServer) -> None:
-    """Text is checked where it is tokenized, off the loop: a lone surrogate in a
-    message or a prompt is the client's error, never a 500."""
+    """A lone surrogate in a message or a prompt is the client's error, named, never a
+    500 (the body is checked before any route, so no text reaches a tokenizer)."""
     headers = {"content-type": "application/json"}
     message = b'[{"role": "user", "content": "a\\ud800b"}]'
     for path, body, param in (
-            ("/tokenize", b'{"messages": %b}' % message, "messages"),
+            ("/tokenize", b'{"messages": %b}' % message, "messages[0].content"),
             ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt"),
-            ("/v1/chat/completions", b'{"messages": %b}' % message, "messages"),
+            ("/v1/chat/completions", b'{"messages": %b}' % message, "messages[0].content"),
             ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt")):
         reply = httpx.post(server.url + path, content=body, headers=headers)
         assert reply.status_code == 400, (path, reply.text)

@@ -27,7 +27,8 @@ def server() -> Iterator[ThreadedServer]:
                            enable_log_requests=True, max_log_len=50)
     engine = AsyncLLMEngine.from_engine_args(
         args, runner_factory=lambda: FakeModelRunner(num_kv_blocks=256, vocab_size=900))
-    with server_in_thread(engine, served_model_names=("m",)) as running:
+    with server_in_thread(engine, served_model_names=("m",),
+                          h11_max_incomplete_event_size=64 * 1024) as running:
         yield running
     assert not running.errors, running.errors
 
@@ -111,7 +112,7 @@ def raw_exchange(server: ThreadedServer, request: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(("request_bytes", "status"), [
-    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"y" * 70_000 + b"\r\n\r\n", 431),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"y" * 200_000 + b"\r\n\r\n", 431),
     (b"NOT HTTP AT ALL\r\n\r\n", 400),
 ])
 def test_hypercorns_own_refusals_are_json_in_openais_shape(
@@ -130,11 +131,12 @@ def log_text(caplog: pytest.LogCaptureFixture) -> str:
 
 def test_one_request_writes_a_bounded_amount_to_the_log(
         server: ThreadedServer, caplog: pytest.LogCaptureFixture) -> None:
-    # ~4 MB of unknown field names, a 1 MB id, 20,000 stop strings: each logged value is
-    # clipped and the names counted, so the log grows by kilobytes, not megabytes.
+    # ~4 MB of unknown field names, a 1 MB id, as many stop strings as a request may
+    # carry: each logged value is clipped and the names counted, so the log grows by
+    # kilobytes, not megabytes.
     body: dict[str, Any] = {f"unknown_{i:06d}_" + "x" * 40: 1 for i in range(80_000)}
     body.update(model="m", prompt="hi " * 30, max_tokens=2, request_id="r" * 1_000_000,
-                stop=[f"stop{i}" for i in range(20_000)])
+                stop=[f"stop{i:03d}" + "s" * 20 for i in range(128)])
     content = json.dumps(body).encode()
     with caplog.at_level(logging.INFO):
         response = httpx.post(server.url + "/v1/completions", content=content,

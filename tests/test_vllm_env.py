@@ -8,6 +8,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import httpx
@@ -17,6 +18,7 @@ from fastapi import FastAPI
 
 from server_helpers import server_process
 from triollm import cli
+from triollm.connection_flags import connection_options
 from triollm.server.app import build_app
 from triollm.server.middleware import OPEN_PATHS
 from triollm.server.routes import lora
@@ -46,7 +48,8 @@ def served_routes() -> list[tuple[str, str]]:
     """(method, path) of every route the app serves under this process's environment,
     read from the app itself, path parameters filled in."""
     async def build() -> Any:
-        state = ServerState(cast(Any, None), ServerSettings(served_model_names=("m",)), None)
+        engine = cast(Any, SimpleNamespace(tokenizer=None))  # routes only: nothing runs
+        state = ServerState(engine, ServerSettings(served_model_names=("m",)), None)
         return build_app(state)
 
     def flatten(routes: list[Any], prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -159,6 +162,8 @@ HONOURED: dict[str, tuple[str, Callable[[Any], bool]]] = {
                                  == {"version": 1}),
     "VLLM_TARGET_DEVICE": ("CPU", lambda ns: ns.device == "cpu"),
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": ("true", lambda ns: lora.runtime_updates_allowed()),
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": (
+        "7", lambda ns: connection_options(ns)["keep_alive_timeout"] == 7.0),
     # triollm sends no statistics: accepted without a note or a warning
     "VLLM_NO_USAGE_STATS": ("1", lambda ns: not ns.vllm_environment.notes
                             and not ns.vllm_environment.unknown),

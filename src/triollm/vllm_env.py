@@ -101,9 +101,9 @@ VLLM_VARIABLES: dict[str, VllmVariable] = {
         "/reset_prefix_cache is always served (behind the API key); vLLM's other "
         "development routes (/sleep, /wake_up, /collective_rpc, /server_info) are not "
         "implemented", _OFF),
-    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": _refused("an idle connection is kept 5 s (vLLM's "
-                                             "default); other values are not "
-                                             "implemented", ("5",)),
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": _honoured("seconds an idle connection stays open, as "
+                                              "--timeout-keep-alive (the flag wins; "
+                                              "connection_flags.py reads it)"),
     "VLLM_TORCH_PROFILER_DIR": _refused("the profiler routes (/start_profile, "
                                         "/stop_profile) are not implemented"),
     "VLLM_PLUGINS": _refused("vLLM's plugins do not exist in triollm"),

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["CONTENT_FORMATS", "RESERVED_TEMPLATE_KWARGS", "ContentFormat",
-           "detect_content_format", "normalize_messages", "render_chat", "render_chat_text",
-           "resolve_template"]
+           "chat_template_call", "detect_content_format", "normalize_messages",
+           "render_chat", "render_chat_text", "resolve_template"]
 
 ContentFormat = Literal["auto", "string", "openai"]
 CONTENT_FORMATS: tuple[ContentFormat, ...] = ("auto", "string", "openai")
@@ -208,6 +208,28 @@ def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
     as text. ``continue_final_message`` leaves the last (assistant) message open for the
     model to continue; ``chat_template_kwargs`` are extra template variables
     (``enable_thinking``). Raises ``ValueError`` naming the field at fault."""
+    conversation, arguments = chat_template_call(
+        tokenizer, messages, chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, tools=tools, documents=documents,
+        chat_template_kwargs=chat_template_kwargs, content_format=content_format)
+    # transformers types the result for every combination of its flags; with
+    # tokenize=False it is the rendered text.
+    return cast(str, tokenizer.apply_chat_template(conversation, **arguments))
+
+
+def chat_template_call(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], *,
+                       chat_template: str | None = None, add_generation_prompt: bool = True,
+                       continue_final_message: bool = False,
+                       tools: list[dict[str, Any]] | None = None,
+                       documents: list[dict[str, Any]] | None = None,
+                       chat_template_kwargs: Mapping[str, Any] | None = None,
+                       content_format: ContentFormat = "auto"
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """What ``render_chat_text`` passes to ``tokenizer.apply_chat_template``: the
+    conversation and the keyword arguments (plain data, so a worker process holding a
+    copy of the tokenizer can render it). Raises ``ValueError`` naming the field at
+    fault."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message: cannot be used with "
                          "add_generation_prompt; set add_generation_prompt to false")
@@ -220,12 +242,9 @@ def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
     if content_format == "auto":
         content_format = detect_content_format(template)
     conversation = normalize_messages(messages, content_format)
-    text = tokenizer.apply_chat_template(
-        conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        tools=list(tools) if tools is not None else None,
-        documents=list(documents) if documents is not None else None,
-        tokenize=False, **extra)
-    # transformers types the result for every combination of its flags; with
-    # tokenize=False it is the rendered text.
-    return cast(str, text)
+    return conversation, {
+        "chat_template": template, "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "tools": list(tools) if tools is not None else None,
+        "documents": list(documents) if documents is not None else None,
+        "tokenize": False, **extra}

@@ -84,6 +84,15 @@ class Offload:
             return len(ids), str(ids).replace(" ", "").encode()
         return await self._in_process("encode_json", text, add_special_tokens)
 
+    async def render_in_process(self, conversation: list[dict[str, Any]],
+                                arguments: dict[str, Any]) -> str:
+        """A conversation through the chat template in a worker process (a template
+        from the request, or a very large conversation): pure-Python rendering in a
+        thread here would take the GIL from the event loop and the model thread for as
+        long as it runs. ``CallFailed`` when the template raises."""
+        _, data = await self._in_process("apply_chat_template", conversation, arguments)
+        return data.decode("utf-8", "surrogatepass")
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 

@@ -11,15 +11,20 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio
 from fastapi import Request
 
-from triollm.entrypoints.chat_utils import ContentFormat, render_chat_text
+from triollm.entrypoints.chat_utils import ContentFormat, chat_template_call
 from triollm.errors import EngineClosedError
 from triollm.log_text import clipped_names
 from triollm.lora.request import LoRARequest
 from triollm.sampling_params import check_text
 from triollm.server.errors import OpenAIError, bad_request, engine_unavailable
-from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
+from triollm.server.limits import (
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    LONG_TEXT_CHARS,
+)
 from triollm.server.offload import Offload
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from triollm.server.tokenizer_process import CallFailed
 
 if TYPE_CHECKING:
     from triollm.config import PoolerConfig
@@ -228,17 +233,40 @@ class ServerState:
 
     async def render_chat_text(self, messages: list[ChatMessage], rendering: ChatRendering
                                ) -> str:
-        """Chat messages through the chat template, as text, in a worker thread. A
-        request's own template needs ``--trust-request-chat-template``. Whatever fails
-        there (a template that rejects the messages, a content part a text model cannot
-        take) is the request's fault: a 400."""
+        """Chat messages through the chat template, as text, in a worker thread; a
+        template from the request (which needs ``--trust-request-chat-template``) or a
+        conversation of ``LONG_TEXT_CHARS`` or more renders in a worker process, since
+        pure-Python rendering in a thread would take the GIL from the event loop and the
+        model thread for as long as it runs. Whatever fails there (a template that
+        rejects the messages, a content part a text model cannot take) is the request's
+        fault: a 400."""
         self.check_request_template(rendering)
-        return await self.offload.run(self._render_chat_text, messages, rendering)
+        own_template = rendering.chat_template is not None or "chat_template" in (
+            rendering.chat_template_kwargs or {})
+        if not own_template and _conversation_chars(messages) < LONG_TEXT_CHARS:
+            return await self.offload.run(self._render_chat_text, messages, rendering)
+        conversation, arguments = await self.offload.run(
+            self._chat_template_call, messages, rendering)
+        try:
+            return await self.offload.render_in_process(conversation, arguments)
+        except CallFailed as error:
+            raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
+                              param="messages") from error
 
     def _render_chat_text(self, messages: list[ChatMessage], rendering: ChatRendering
                           ) -> str:
+        conversation, arguments = self._chat_template_call(messages, rendering)
         try:
-            return render_chat_text(
+            return cast(str, self.engine.tokenizer.apply_chat_template(
+                conversation, **arguments))
+        except Exception as error:
+            raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
+                              param="messages") from error
+
+    def _chat_template_call(self, messages: list[ChatMessage], rendering: ChatRendering
+                            ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        try:
+            return chat_template_call(
                 self.engine.tokenizer, [m.model_dump(exclude_none=True) for m in messages],
                 chat_template=rendering.chat_template or self.settings.chat_template,
                 add_generation_prompt=rendering.add_generation_prompt,
@@ -287,3 +315,17 @@ class ServerState:
 def server_state(request: Request) -> ServerState:
     """The state of the app serving ``request`` (set by ``build_app``)."""
     return cast(ServerState, request.app.state.triollm)
+
+
+def _conversation_chars(messages: list[ChatMessage]) -> int:
+    """About how much rendering the messages ask for, in characters: their text, and
+    64 for each message (a template's work per message, whatever its length)."""
+    total = 64 * len(messages)
+    for message in messages:
+        content = message.content
+        if isinstance(content, str):
+            total += len(content)
+        elif content is not None:
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part.get("text"), str))
+    return total

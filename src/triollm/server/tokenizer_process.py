@@ -1,4 +1,5 @@
-"""A tokenizer worker process: long texts encoded away from the server's interpreter.
+"""A tokenizer worker process: long texts encoded, and chat templates a client controls
+rendered, away from the server's interpreter.
 
 Encoding a long text in a thread of the server's own process would still stall the
 event loop: the tokenizer releases the GIL while it encodes, but making Python lists of
@@ -23,7 +24,8 @@ from array import array
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["TokenizerProcess", "encode_json", "encode_tail"]
+__all__ = ["CallFailed", "TokenizerProcess", "apply_chat_template", "encode_json",
+           "encode_tail"]
 
 
 def encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, keep: int
@@ -39,8 +41,21 @@ def encode_json(tokenizer: Any, text: str, add_special_tokens: bool) -> tuple[in
     return len(ids), json.dumps(ids, separators=(",", ":")).encode()
 
 
-_CALLS: dict[str, Callable[..., tuple[int, bytes]]] = {"encode_tail": encode_tail,
-                                                        "encode_json": encode_json}
+def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]],
+                        arguments: dict[str, Any]) -> tuple[int, bytes]:
+    """A conversation through the chat template (``chat_template_call``'s arguments):
+    the text's length and the text (UTF-8)."""
+    text = tokenizer.apply_chat_template(conversation, **arguments)
+    return len(text), text.encode("utf-8", "surrogatepass")
+
+
+_CALLS: dict[str, Callable[..., tuple[int, bytes]]] = {
+    "encode_tail": encode_tail, "encode_json": encode_json,
+    "apply_chat_template": apply_chat_template}
+
+
+class CallFailed(RuntimeError):
+    """The call raised in the worker (the process itself is fine)."""
 
 
 class TokenizerProcess:
@@ -62,8 +77,8 @@ class TokenizerProcess:
         stdin.flush()
 
     def call(self, name: str, *args: object) -> Any:
-        """``name(tokenizer, *args)`` in the process (``encode_tail`` or
-        ``encode_json``)."""
+        """``name(tokenizer, *args)`` in the process (``encode_tail``, ``encode_json``
+        or ``apply_chat_template``); ``CallFailed`` if it raised there."""
         try:
             self._send((name, args))
             assert self._process.stdout is not None
@@ -72,7 +87,7 @@ class TokenizerProcess:
             self.close()
             raise RuntimeError(f"the tokenizer process failed: {error!r}") from error
         if not ok:
-            raise RuntimeError(f"the tokenizer failed: {value}")
+            raise CallFailed(f"the tokenizer failed: {value}")
         return value
 
     def close(self) -> None:
