@@ -13,7 +13,14 @@ import json
 import re
 from typing import Any
 
-__all__ = ["lone_surrogate_field"]
+__all__ = ["LARGE_BODY_BYTES", "body_problem", "lone_surrogate_field"]
+
+#: A body this large is checked in a worker thread: decoding it (a list of 300,000 stop
+#: strings, say) costs the event loop tens of milliseconds.
+LARGE_BODY_BYTES = 64 * 1024
+#: Fields whose size the server bounds and a client can inflate cheaply: a large body
+#: that breaks the bound is refused before FastAPI decodes and validates it on the loop.
+_BOUNDED_LISTS = ("stop", "bad_words")
 
 # A high surrogate escape not followed by a low one, or a low one not preceded by a
 # high one. A properly paired escape (an emoji as ASCII JSON spells it) does not match;
@@ -27,13 +34,40 @@ def lone_surrogate_field(body: bytes) -> str | None:
     """The path (``messages[0].content``) of the first JSON key or string holding a lone
     surrogate, ``"body"`` for a bare string; None when there is none or the body is not
     JSON (FastAPI answers that)."""
-    if _CANDIDATE.search(body) is None:
+    # bytes.find is a fast scan; the regular expression (which holds the GIL) runs only
+    # on a body that has a surrogate escape at all
+    if (body.find(b"\\ud") < 0 and body.find(b"\\uD") < 0) or _CANDIDATE.search(body) is None:
         return None
     try:
         document = json.loads(body)
     except (ValueError, RecursionError):
         return None
     return _find(document)
+
+
+def body_problem(body: bytes) -> tuple[str, str] | None:
+    """(field, message) of what makes ``body`` a 400 before any route reads it: a lone
+    surrogate, or, in a body of ``LARGE_BODY_BYTES`` or more, a ``stop`` or
+    ``bad_words`` list past the server's bound. None when neither; a body that is not
+    JSON is left to FastAPI."""
+    field = lone_surrogate_field(body)
+    if field is not None:
+        return field, f"{field}: is not valid Unicode text (a lone surrogate)"
+    if len(body) < LARGE_BODY_BYTES:
+        return None
+    from triollm.server.protocol.sampling import string_list_problem
+
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(document, dict):
+        return None
+    for name in _BOUNDED_LISTS:
+        problem = string_list_problem(document.get(name))
+        if problem is not None:
+            return name, f"{name}: {problem}"
+    return None
 
 
 def _find(document: Any) -> str | None:

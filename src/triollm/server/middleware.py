@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 
 from triollm.log_text import clipped
-from triollm.server.body_text import lone_surrogate_field
+from triollm.server.body_text import LARGE_BODY_BYTES, body_problem
 from triollm.server.errors import error_json, request_id_of
 from triollm.server.state import ServerState
 
@@ -70,12 +70,12 @@ class RequestLifetime:
                 413, f"Request body larger than {self.state.settings.max_request_body_bytes}"
                 " bytes", "RequestTooLargeError"))
             return
-        field = lone_surrogate_field(body)
-        if field is not None:
-            field = clipped(field)
+        problem = (await self.state.offload.run(body_problem, body)
+                   if len(body) >= LARGE_BODY_BYTES else body_problem(body))
+        if problem is not None:
+            field, message = problem
             await send_json(send, 400, error_json(
-                400, f"{field}: is not valid Unicode text (a lone surrogate)",
-                "BadRequestError", param=field))
+                400, clipped(message), "BadRequestError", param=clipped(field)))
             return
         self.state.request_started()
         try:

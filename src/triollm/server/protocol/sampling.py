@@ -22,11 +22,14 @@ def string_list_problem(value: object) -> str | None:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list):
         return None
+    bound = (f"at most {MAX_STRING_LIST_ITEMS} strings of {MAX_STRING_LIST_CHARS} "
+             f"characters in all")
+    if len(values) > MAX_STRING_LIST_ITEMS:
+        return f"{bound}; got {len(values)} strings"
     chars = sum(len(v) for v in values if isinstance(v, str))
-    if len(values) <= MAX_STRING_LIST_ITEMS and chars <= MAX_STRING_LIST_CHARS:
+    if chars <= MAX_STRING_LIST_CHARS:
         return None
-    return (f"at most {MAX_STRING_LIST_ITEMS} strings of {MAX_STRING_LIST_CHARS} "
-            f"characters in all; got {len(values)} of {chars}")
+    return f"{bound}; got {chars} characters"
 
 
 class SamplingRequest(CheckedRequest):
