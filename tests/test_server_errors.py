@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,8 @@ import pytest
 from server_helpers import ThreadedServer, server_in_thread
 from triollm import AsyncEngineArgs, AsyncLLMEngine
 from triollm.log_text import MAX_LOGGED_CHARS, clipped, clipped_names
-from triollm.server.body_text import lone_surrogate_field
+from triollm.server.body_text import LARGE_BODY_BYTES, body_problem, lone_surrogate_field
+from triollm.server.tokenizer_process import TokenizerProcess
 from triollm.testing import FakeModelRunner
 
 
@@ -183,3 +185,24 @@ def test_clipped_values_are_short_and_encodable() -> None:
 ])
 def test_lone_surrogates_are_found_where_they_are(body: bytes, field: str | None) -> None:
     assert lone_surrogate_field(body) == field
+
+
+def test_a_large_bodys_checks_run_in_the_tokenizer_process() -> None:
+    """The worker process loads body_text.py by itself (standard library only) and
+    answers as the server would in-process."""
+    body = json.dumps({"prompt": "hi", "stop": [f"s{i}" for i in range(300)],
+                       "pad": "x" * LARGE_BODY_BYTES}).encode()
+    surrogate = b'{"prompt": "hi", "pad": "' + b"x" * LARGE_BODY_BYTES + b'", "user": "\\ud800"}'
+    fine = json.dumps({"prompt": "hi", "stop": ["a"], "pad": "x" * LARGE_BODY_BYTES}).encode()
+    worker = TokenizerProcess(pickle.dumps(None))
+    try:
+        for checked in (body, surrogate, fine):
+            _, data = worker.call("check_body", checked, 128, 4096)
+            expected = body_problem(checked, 128, 4096)
+            assert json.loads(data) == (None if expected is None else list(expected))
+        assert body_problem(body, 128, 4096) == (
+            "stop", "stop: at most 128 strings of 4096 characters in all; got 300 strings")
+        assert body_problem(surrogate, 128, 4096) is not None
+        assert body_problem(fine, 128, 4096) is None
+    finally:
+        worker.close()

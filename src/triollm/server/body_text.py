@@ -13,10 +13,10 @@ import json
 import re
 from typing import Any
 
-__all__ = ["LARGE_BODY_BYTES", "body_problem", "lone_surrogate_field"]
+__all__ = ["LARGE_BODY_BYTES", "body_problem", "lone_surrogate_field", "string_list_problem"]
 
-#: A body this large is checked in a worker thread: decoding it (a list of 300,000 stop
-#: strings, say) costs the event loop tens of milliseconds.
+#: A body this large is checked in the tokenizer worker process: decoding it (a list of
+#: 300,000 stop strings, say) holds the GIL for tens of milliseconds, in any thread.
 LARGE_BODY_BYTES = 64 * 1024
 #: Fields whose size the server bounds and a client can inflate cheaply: a large body
 #: that breaks the bound is refused before FastAPI decodes and validates it on the loop.
@@ -34,40 +34,67 @@ def lone_surrogate_field(body: bytes) -> str | None:
     """The path (``messages[0].content``) of the first JSON key or string holding a lone
     surrogate, ``"body"`` for a bare string; None when there is none or the body is not
     JSON (FastAPI answers that)."""
-    # bytes.find is a fast scan; the regular expression (which holds the GIL) runs only
-    # on a body that has a surrogate escape at all
-    if (body.find(b"\\ud") < 0 and body.find(b"\\uD") < 0) or _CANDIDATE.search(body) is None:
+    if not _may_hold_a_lone_surrogate(body):
         return None
-    try:
-        document = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    return _find(document)
+    document = _decoded(body)
+    return None if document is _NOT_JSON else _find(document)
 
 
-def body_problem(body: bytes) -> tuple[str, str] | None:
+def body_problem(body: bytes, max_items: int, max_chars: int) -> tuple[str, str] | None:
     """(field, message) of what makes ``body`` a 400 before any route reads it: a lone
-    surrogate, or, in a body of ``LARGE_BODY_BYTES`` or more, a ``stop`` or
-    ``bad_words`` list past the server's bound. None when neither; a body that is not
-    JSON is left to FastAPI."""
-    field = lone_surrogate_field(body)
-    if field is not None:
-        return field, f"{field}: is not valid Unicode text (a lone surrogate)"
-    if len(body) < LARGE_BODY_BYTES:
-        return None
-    from triollm.server.protocol.sampling import string_list_problem
-
-    try:
-        document = json.loads(body)
-    except (ValueError, RecursionError):
+    surrogate, or a ``stop`` or ``bad_words`` list of more than ``max_items`` strings
+    or ``max_chars`` characters. None when neither; a body that is not JSON is left to
+    FastAPI. Standard library only: the tokenizer worker process runs it on a large
+    body (server/tokenizer_process.py), so that decoding it takes no GIL from the
+    server."""
+    if _may_hold_a_lone_surrogate(body):
+        document = _decoded(body)
+        field = None if document is _NOT_JSON else _find(document)
+        if field is not None:
+            return field, f"{field}: is not valid Unicode text (a lone surrogate)"
+    elif len(body) >= LARGE_BODY_BYTES:
+        document = _decoded(body)
+    else:
         return None
     if not isinstance(document, dict):
         return None
     for name in _BOUNDED_LISTS:
-        problem = string_list_problem(document.get(name))
+        problem = string_list_problem(document.get(name), max_items, max_chars)
         if problem is not None:
             return name, f"{name}: {problem}"
     return None
+
+
+def string_list_problem(value: object, max_items: int, max_chars: int) -> str | None:
+    """What is wrong with a ``stop`` or ``bad_words`` value past ``max_items`` strings
+    or ``max_chars`` characters in all (None: nothing)."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list):
+        return None
+    bound = f"at most {max_items} strings of {max_chars} characters in all"
+    if len(values) > max_items:
+        return f"{bound}; got {len(values)} strings"
+    chars = sum(len(v) for v in values if isinstance(v, str))
+    if chars <= max_chars:
+        return None
+    return f"{bound}; got {chars} characters"
+
+
+_NOT_JSON = object()
+
+
+def _may_hold_a_lone_surrogate(body: bytes) -> bool:
+    # bytes.find is a fast scan; the regular expression (slower, and holding the GIL)
+    # runs only on a body with a surrogate escape at all
+    return ((body.find(b"\\ud") >= 0 or body.find(b"\\uD") >= 0)
+            and _CANDIDATE.search(body) is not None)
+
+
+def _decoded(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
 
 
 def _find(document: Any) -> str | None:

@@ -24,6 +24,7 @@ import anyio
 from triollm.log_text import clipped
 from triollm.server.body_text import LARGE_BODY_BYTES, body_problem
 from triollm.server.errors import error_json, request_id_of
+from triollm.server.limits import MAX_STRING_LIST_CHARS, MAX_STRING_LIST_ITEMS
 from triollm.server.state import ServerState
 
 __all__ = ["OPEN_PATHS", "ASGIApp", "Message", "Receive", "RequestLifetime", "Scope", "Send",
@@ -70,8 +71,8 @@ class RequestLifetime:
                 413, f"Request body larger than {self.state.settings.max_request_body_bytes}"
                 " bytes", "RequestTooLargeError"))
             return
-        problem = (await self.state.offload.run(body_problem, body)
-                   if len(body) >= LARGE_BODY_BYTES else body_problem(body))
+        problem = (await self.state.offload.check_body(body) if len(body) >= LARGE_BODY_BYTES
+                   else body_problem(body, MAX_STRING_LIST_ITEMS, MAX_STRING_LIST_CHARS))
         if problem is not None:
             field, message = problem
             await send_json(send, 400, error_json(

@@ -12,6 +12,7 @@ Calls beyond the threads wait in a bounded queue; past it they are refused with 
 
 from __future__ import annotations
 
+import json
 import pickle
 import threading
 import weakref
@@ -26,6 +27,8 @@ from triollm.server.errors import OpenAIError
 from triollm.server.limits import (
     LONG_TEXT_CHARS,
     MAX_OFFLOAD_WAITING,
+    MAX_STRING_LIST_CHARS,
+    MAX_STRING_LIST_ITEMS,
     OFFLOAD_PROCESSES,
     OFFLOAD_THREADS,
 )
@@ -92,6 +95,14 @@ class Offload:
         long as it runs. ``CallFailed`` when the template raises."""
         _, data = await self._in_process("apply_chat_template", conversation, arguments)
         return data.decode("utf-8", "surrogatepass")
+
+    async def check_body(self, body: bytes) -> tuple[str, str] | None:
+        """server/body_text.py's ``body_problem`` of a large request body, in a worker
+        process: decoding it holds the GIL for as long as it takes, in any thread."""
+        _, data = await self._in_process("check_body", body, MAX_STRING_LIST_ITEMS,
+                                         MAX_STRING_LIST_CHARS)
+        problem = json.loads(data)
+        return None if problem is None else (problem[0], problem[1])
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -15,6 +15,7 @@ closes, so it never outlives the server.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -24,8 +25,8 @@ from array import array
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["CallFailed", "TokenizerProcess", "apply_chat_template", "encode_json",
-           "encode_tail"]
+__all__ = ["CallFailed", "TokenizerProcess", "apply_chat_template", "check_body",
+           "encode_json", "encode_tail"]
 
 
 def encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, keep: int
@@ -49,9 +50,31 @@ def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]],
     return len(text), text.encode("utf-8", "surrogatepass")
 
 
+def check_body(tokenizer: Any, body: bytes, max_items: int, max_chars: int
+               ) -> tuple[int, bytes]:
+    """server/body_text.py's ``body_problem`` of a request body, as JSON (``null``:
+    none): decoding a large body here takes no GIL from the server."""
+    del tokenizer
+    return 0, json.dumps(_body_text().body_problem(body, max_items, max_chars)).encode()
+
+
+def _body_text() -> Any:
+    """body_text.py, loaded from its file: it needs the standard library only, and the
+    package (torch with it) is not imported here."""
+    module = sys.modules.get("triollm_body_text")
+    if module is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "body_text.py")
+        spec = importlib.util.spec_from_file_location("triollm_body_text", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["triollm_body_text"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 _CALLS: dict[str, Callable[..., tuple[int, bytes]]] = {
     "encode_tail": encode_tail, "encode_json": encode_json,
-    "apply_chat_template": apply_chat_template}
+    "apply_chat_template": apply_chat_template, "check_body": check_body}
 
 
 class CallFailed(RuntimeError):

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from triollm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
+from triollm.server.body_text import string_list_problem as bounded_list_problem
 from triollm.server.limits import MAX_N, MAX_STRING_LIST_CHARS, MAX_STRING_LIST_ITEMS
 from triollm.server.protocol.base import CheckedRequest, StreamOptions
 
@@ -19,17 +20,7 @@ def string_list_problem(value: object) -> str | None:
     """What is wrong with a ``stop`` or ``bad_words`` value past the server's bounds
     (None: nothing). The engine prepares each on the event loop (the stop strings'
     automaton, the bad words tokenized), in time proportional to its size."""
-    values = [value] if isinstance(value, str) else value
-    if not isinstance(values, list):
-        return None
-    bound = (f"at most {MAX_STRING_LIST_ITEMS} strings of {MAX_STRING_LIST_CHARS} "
-             f"characters in all")
-    if len(values) > MAX_STRING_LIST_ITEMS:
-        return f"{bound}; got {len(values)} strings"
-    chars = sum(len(v) for v in values if isinstance(v, str))
-    if chars <= MAX_STRING_LIST_CHARS:
-        return None
-    return f"{bound}; got {chars} characters"
+    return bounded_list_problem(value, MAX_STRING_LIST_ITEMS, MAX_STRING_LIST_CHARS)
 
 
 class SamplingRequest(CheckedRequest):
