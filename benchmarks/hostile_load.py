@@ -39,7 +39,6 @@ import json
 import multiprocessing
 import multiprocessing.synchronize
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -53,6 +52,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from common import quantile
+from triollm.testing import served_url
 from vs_vllm import LoadSampler
 
 BIG = 8_000_000
@@ -94,14 +94,8 @@ def server(model: str, extra: list[str]) -> Iterator[tuple[str, subprocess.Popen
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert process.stdout is not None
-    lines = []
-    url = None
-    for line in process.stdout:
-        lines.append(line)
-        found = re.search(r"triollm serving .* at (http://\S+)", line)
-        if found:
-            url = found.group(1).rstrip(",")
-            break
+    lines: list[str] = []
+    url = served_url(process.stdout, lines)
     try:
         if url is None:
             raise RuntimeError("the server did not start:\n" + "".join(lines[-5:]))

@@ -21,13 +21,14 @@ import argparse
 import concurrent.futures
 import os
 import random
-import re
 import subprocess
 import sys
 import threading
 import time
 
 import httpx
+
+from triollm.testing import served_url
 
 WORDS = ["cat", "dog", "sun", "rain", "tree"]
 
@@ -58,12 +59,7 @@ def main() -> None:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert process.stdout is not None
-    url = None
-    for line in process.stdout:
-        found = re.search(r"triollm serving .* at (http://\S+)", line)
-        if found:
-            url = found.group(1).rstrip(",")
-            break
+    url = served_url(process.stdout)
     assert url is not None, "the server did not start"
     threading.Thread(target=lambda: [None for _ in process.stdout or []], daemon=True).start()
     client = httpx.Client(timeout=900)

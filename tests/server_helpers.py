@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import trio
 
 from triollm import AsyncLLMEngine
 from triollm.server.serve import ServerHandle, ServerOptions, run_server
+from triollm.testing import served_url
 
 
 @dataclass
@@ -80,15 +80,9 @@ def server_process(*args: str, env: dict[str, str] | None = None
     process = subprocess.Popen(
         [sys.executable, "-m", "triollm", "serve", *args, "--host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = None
-    lines = []
+    lines: list[str] = []
     assert process.stdout is not None
-    for line in process.stdout:
-        lines.append(line)
-        found = re.search(r"triollm serving .* at (http://\S+)", line)
-        if found:
-            url = found.group(1).rstrip(",")
-            break
+    url = served_url(process.stdout, lines)
     if url is None:
         process.kill()
         raise RuntimeError("server did not start:\n" + "".join(lines))

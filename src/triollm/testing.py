@@ -11,11 +11,12 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 
@@ -30,6 +31,7 @@ __all__ = [
     "fake_completion",
     "fake_logprob",
     "fake_next_token",
+    "served_url",
     "tiny_config",
     "train_test_tokenizer",
 ]
@@ -369,3 +371,16 @@ def build_cross_encoder(directory: str | Path, *, seed: int = 0, num_labels: int
     classifier.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def served_url(output: IO[str], lines: list[str] | None = None) -> str | None:
+    """The URL a starting ``triollm serve`` logs (``triollm serving MODEL at URL``),
+    read from its ``output`` up to that line (each line appended to ``lines``); None
+    when the output ends first."""
+    for line in output:
+        if lines is not None:
+            lines.append(line)
+        found = re.search(r"triollm serving .* at (http://\S+)", line)
+        if found:
+            return found.group(1).rstrip(",")
+    return None

@@ -197,22 +197,12 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], *,
-                     chat_template: str | None = None, add_generation_prompt: bool = True,
-                     continue_final_message: bool = False,
-                     tools: list[dict[str, Any]] | None = None,
-                     documents: list[dict[str, Any]] | None = None,
-                     chat_template_kwargs: Mapping[str, Any] | None = None,
-                     content_format: ContentFormat = "auto") -> str:
+def render_chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                     **rendering: Any) -> str:
     """Chat messages through the chat template (``chat_template`` or the tokenizer's),
-    as text. ``continue_final_message`` leaves the last (assistant) message open for the
-    model to continue; ``chat_template_kwargs`` are extra template variables
-    (``enable_thinking``). Raises ``ValueError`` naming the field at fault."""
-    conversation, arguments = chat_template_call(
-        tokenizer, messages, chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, tools=tools, documents=documents,
-        chat_template_kwargs=chat_template_kwargs, content_format=content_format)
+    as text; ``rendering`` as ``chat_template_call`` takes it. Raises ``ValueError``
+    naming the field at fault."""
+    conversation, arguments = chat_template_call(tokenizer, messages, **rendering)
     # transformers types the result for every combination of its flags; with
     # tokenize=False it is the rendered text.
     return cast(str, tokenizer.apply_chat_template(conversation, **arguments))
@@ -228,8 +218,10 @@ def chat_template_call(tokenizer: PreTrainedTokenizerBase, messages: list[dict[s
                        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """What ``render_chat_text`` passes to ``tokenizer.apply_chat_template``: the
     conversation and the keyword arguments (plain data, so a worker process holding a
-    copy of the tokenizer can render it). Raises ``ValueError`` naming the field at
-    fault."""
+    copy of the tokenizer can render it). ``continue_final_message`` leaves the last
+    (assistant) message open for the model to continue; ``chat_template_kwargs`` are
+    extra template variables (``enable_thinking``). Raises ``ValueError`` naming the
+    field at fault."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message: cannot be used with "
                          "add_generation_prompt; set add_generation_prompt to false")

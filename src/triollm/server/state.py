@@ -212,12 +212,8 @@ class ServerState:
     def check_request_template(self, rendering: ChatRendering) -> None:
         """400 for a request's own chat template (``chat_template``, or one passed in
         ``chat_template_kwargs``) unless the server trusts them, as vLLM."""
-        if self.settings.trust_request_chat_template:
-            return
-        kwargs = rendering.chat_template_kwargs or {}
-        if rendering.chat_template is not None or kwargs.get("chat_template") is not None:
-            param = ("chat_template" if rendering.chat_template is not None
-                     else "chat_template_kwargs.chat_template")
+        param = _request_template_field(rendering)
+        if param is not None and not self.settings.trust_request_chat_template:
             raise OpenAIError(400, f"{param}: a chat template is passed with the request, "
                                    f"but the server was not started with "
                                    f"--trust-request-chat-template; refused request with "
@@ -241,17 +237,15 @@ class ServerState:
         rejects the messages, a content part a text model cannot take) is the request's
         fault: a 400."""
         self.check_request_template(rendering)
-        own_template = rendering.chat_template is not None or "chat_template" in (
-            rendering.chat_template_kwargs or {})
-        if not own_template and _conversation_chars(messages) < LONG_TEXT_CHARS:
+        if (_request_template_field(rendering) is None
+                and _conversation_chars(messages) < LONG_TEXT_CHARS):
             return await self.offload.run(self._render_chat_text, messages, rendering)
         conversation, arguments = await self.offload.run(
             self._chat_template_call, messages, rendering)
         try:
             return await self.offload.render_in_process(conversation, arguments)
         except CallFailed as error:
-            raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
-                              param="messages") from error
+            raise _cannot_apply_template(error) from error
 
     def _render_chat_text(self, messages: list[ChatMessage], rendering: ChatRendering
                           ) -> str:
@@ -260,8 +254,7 @@ class ServerState:
             return cast(str, self.engine.tokenizer.apply_chat_template(
                 conversation, **arguments))
         except Exception as error:
-            raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
-                              param="messages") from error
+            raise _cannot_apply_template(error) from error
 
     def _chat_template_call(self, messages: list[ChatMessage], rendering: ChatRendering
                             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -278,11 +271,9 @@ class ServerState:
             if str(error).startswith(("messages[", "chat_template_kwargs.",
                                       "continue_final_message:")):
                 raise bad_request(error) from error
-            raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
-                              param="messages") from error
-        except Exception as error:
-            raise OpenAIError(400, f"messages: cannot apply the chat template: {error}",
-                              param="messages") from error
+            raise _cannot_apply_template(error) from error
+        except Exception as error:  # whatever the template or the content parts raise
+            raise _cannot_apply_template(error) from error
 
     async def encode(self, text: str, add_special_tokens: bool = True, *,
                      field: str = "prompt", truncate_to: int | None = None,
@@ -329,3 +320,18 @@ def _conversation_chars(messages: list[ChatMessage]) -> int:
             total += sum(len(part["text"]) for part in content
                          if isinstance(part.get("text"), str))
     return total
+
+
+def _request_template_field(rendering: ChatRendering) -> str | None:
+    """Where the request passes a chat template of its own (``chat_template``, or
+    ``chat_template_kwargs.chat_template``); None when it passes none."""
+    if rendering.chat_template is not None:
+        return "chat_template"
+    if (rendering.chat_template_kwargs or {}).get("chat_template") is not None:
+        return "chat_template_kwargs.chat_template"
+    return None
+
+
+def _cannot_apply_template(error: Exception) -> OpenAIError:
+    return OpenAIError(400, f"messages: cannot apply the chat template: {error}",
+                       param="messages")
