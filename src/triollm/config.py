@@ -33,6 +33,7 @@ __all__ = [
     "RunnerKind",
     "SchedulerConfig",
     "SchedulingPolicy",
+    "StructuredOutputsConfig",
 ]
 
 #: The built-in demo model: random weights, so it produces noise. It exists so that
@@ -171,6 +172,32 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's ``--structured-outputs-config``: which grammar backend compiles requests'
+    constraints, its options, and the reasoning parser whose end of reasoning the
+    constraints wait for."""
+
+    #: ``auto`` (xgrammar where installed and able, else llguidance), ``xgrammar`` or
+    #: ``guidance``.
+    backend: str = "auto"
+    #: Refuse a constraint the chosen backend cannot compile instead of trying the other.
+    disable_fallback: bool = False
+    #: JSON without optional whitespace (every request's default).
+    disable_any_whitespace: bool = False
+    #: Objects allow no properties their schema does not list (every request's default).
+    disable_additional_properties: bool = False
+    #: The reasoning parser (``--reasoning-parser``): constraints apply once its
+    #: reasoning has ended. None: from the first output token.
+    reasoning_parser: str | None = None
+    #: Constrain the reasoning too (vLLM's ``enable_in_reasoning``).
+    enable_in_reasoning: bool = False
+
+
+#: vLLM's older name for the same settings (``get_decoding_config()``).
+DecodingConfig = StructuredOutputsConfig
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -178,6 +205,7 @@ class EngineConfig:
     #: None unless ``enable_lora``.
     lora: LoRAConfig | None = None
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 @dataclass(frozen=True)
@@ -188,11 +216,3 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     world_size: int = 1
-
-
-@dataclass(frozen=True)
-class DecodingConfig:
-    """vLLM's structured-output settings: triollm has no guided decoding (requests that
-    ask for it are refused)."""
-
-    backend: str = "none"

@@ -12,7 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SEED_MAX", "SEED_MIN", "RequestOutputKind", "SamplingParams", "check_text"]
+from triollm.structured_output.params import StructuredOutputsParams
+
+__all__ = ["SEED_MAX", "SEED_MIN", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams",
+           "check_text"]
 
 _GREEDY_EPSILON = 1e-5
 #: vLLM's bounds for ``seed``: a signed 64-bit integer.
@@ -80,6 +83,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    #: The constraint the output must satisfy (JSON schema, regex, choice, grammar...).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: the tokenizer's end-of-sequence ids, and each bad word
     # as token ids (with and without a leading space).
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False,
@@ -172,6 +177,9 @@ class SamplingParams:
                         f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
         if stops and not self.detokenize:
             raise _fail("stop", "stop strings need detokenize=True")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise _fail("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise _fail("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         if self.logit_bias is not None:
@@ -217,7 +225,10 @@ class SamplingParams:
         ``index``, wrapped around within the signed 64-bit range."""
         seed = (None if self.seed is None
                 else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN)
-        params = SamplingParams(**{**self._as_kwargs(), "n": n, "seed": seed})
+        structured = (None if self.structured_outputs is None
+                      else self.structured_outputs.copy())
+        params = SamplingParams(**{**self._as_kwargs(), "n": n, "seed": seed,
+                                   "structured_outputs": structured})
         params.all_stop_token_ids = set(self.all_stop_token_ids)
         params.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         return params

@@ -1,0 +1,86 @@
+"""The reasoning-parser interface and its registry (vLLM's ``ReasoningParser`` and
+``ReasoningParserManager``): a parser splits a model's reasoning (``<think>...``) from
+its answer, whole or while it streams, and tells the engine from token ids when the
+reasoning has ended (structured outputs apply after it). Pure text work: no torch, no
+event loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from triollm.tool_parsers.types import DeltaMessage
+
+__all__ = ["ReasoningParser", "ReasoningParserManager"]
+
+
+class ReasoningParser:
+    """Base class over the served model's Hugging Face tokenizer. One instance per
+    choice of one request when streaming; ``is_reasoning_end`` keeps no state."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.model_tokenizer = tokenizer
+
+    def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
+        """Whether the reasoning is over at the end of ``input_ids`` (a prompt, or a
+        prompt and the output so far)."""
+        raise NotImplementedError
+
+    def extract_content_ids(self, input_ids: Sequence[int]) -> list[int]:
+        """The ids of the answer after the reasoning."""
+        raise NotImplementedError
+
+    def extract_reasoning(self, model_output: str, request: Any) -> tuple[str | None, str | None]:
+        """A whole output as (reasoning, content); either may be None."""
+        raise NotImplementedError
+
+    def extract_reasoning_streaming(
+        self,
+        previous_text: str,
+        current_text: str,
+        delta_text: str,
+        previous_token_ids: Sequence[int],
+        current_token_ids: Sequence[int],
+        delta_token_ids: Sequence[int],
+    ) -> DeltaMessage | None:
+        """What the newest text adds: ``reasoning_content``, ``content``, or None."""
+        raise NotImplementedError
+
+
+_Parser = TypeVar("_Parser", bound=type[ReasoningParser])
+
+
+class ReasoningParserManager:
+    """Parsers by name (``--reasoning-parser NAME``)."""
+
+    reasoning_parsers: dict[str, type[ReasoningParser]] = {}
+
+    @classmethod
+    def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
+        try:
+            return cls.reasoning_parsers[name]
+        except KeyError:
+            known = ", ".join(sorted(cls.reasoning_parsers))
+            raise KeyError(f"reasoning parser {name!r} is not registered (known: "
+                           f"{known})") from None
+
+    @classmethod
+    def register_module(cls, name: str | Sequence[str] | None = None, force: bool = True,
+                        module: type[ReasoningParser] | None = None
+                        ) -> Callable[[_Parser], _Parser] | type[ReasoningParser]:
+        """Register a parser class under ``name`` (or its class name)."""
+
+        def register(parser: _Parser) -> _Parser:
+            if not (isinstance(parser, type) and issubclass(parser, ReasoningParser)):
+                raise TypeError(f"{parser!r} is not a ReasoningParser subclass")
+            names = [parser.__name__] if name is None else (
+                [name] if isinstance(name, str) else list(name))
+            for each in names:
+                if not force and each in cls.reasoning_parsers:
+                    raise KeyError(f"reasoning parser {each!r} is already registered")
+                cls.reasoning_parsers[each] = parser
+            return parser
+
+        if module is not None:
+            return register(module)
+        return register
