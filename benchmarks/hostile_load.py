@@ -15,7 +15,9 @@ baseline phases one more thread sends one kind of hostile request in a loop:
 * ``stop-300k``: a completion with 300,000 stop strings;
 * ``slow-body``: ``--slow-connections`` connections that send headers, then a body
   byte every 2 s, reopened when the server cuts them;
-* ``n-stream``: a streamed completion with ``n`` = ``--n`` choices.
+* ``n-stream``: a streamed completion with ``n`` = ``--n`` choices;
+* ``health-flood``: ``GET /health`` in a loop, the control for the floods above: what
+  answering a client's requests as fast as it sends them costs, whatever they ask.
 
 Reported per phase: the honest clients' output tokens/s and p99 TPOT (per request:
 seconds from its first to its last event over its tokens after the first), each as a
@@ -23,6 +25,8 @@ ratio to the baseline measured in the same run (the mean of the phases before an
 the hostile ones), the p99 time to first token and the largest gap between two events
 of an honest stream (a stalled event loop shows in one of these, or in throughput alone
 when the stall lands before a request's first event), the hostile requests' statuses,
+the CPU the hostile client itself and the server (with its worker processes) used, in
+cores (on a small machine the attacker's own CPU is the honest clients' loss too),
 and the CPU the rest of the machine used meanwhile (vs_vllm.py's ``LoadSampler``, in
 cores): a figure measured while others used more than a tenth of a core is noisy.
 The target is under 10% loss.
@@ -53,13 +57,13 @@ import httpx
 
 from common import quantile
 from triollm.testing import served_url
-from vs_vllm import LoadSampler
+from vs_vllm import LoadSampler, process_cpu_seconds
 
 BIG = 8_000_000
 TEMPLATE = ("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}"
             "{% endfor %}{{ messages[0]['content'] }}")
 KINDS = ("tokenize-8mb", "completions-8mb", "chat-8mb", "template", "stop-300k",
-         "slow-body", "n-stream", "template-trusted")
+         "slow-body", "n-stream", "health-flood", "template-trusted")
 
 
 @dataclass
@@ -71,6 +75,8 @@ class Phase:
     seconds: float = 0.0
     hostile: dict[str, int] = field(default_factory=dict)
     others_cores: float = 0.0
+    hostile_cores: float = 0.0
+    server_cores: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -216,6 +222,7 @@ def hostile_loops(url: str, model: str, options: argparse.Namespace
             "ignore_eos": True, "stop": stops})),
         "slow-body": slow_bodies(url, options.slow_connections),
         "n-stream": request_loop(n_stream),
+        "health-flood": request_loop(lambda client: client.get(url + "/health").status_code),
     }
 
 
@@ -233,12 +240,25 @@ def _hostile_main(hostile: Callable[[threading.Event, Phase], None],
 
     threading.Thread(target=relay, daemon=True).start()
     hostile(stopping, phase)
-    counts.put(phase.hostile)
+    times = os.times()
+    counts.put({**phase.hostile, "cpu_ms": int(1000 * (times.user + times.system))})
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds used so far by process ``root`` and its descendants now alive."""
+    processes = process_cpu_seconds()
+    tree, changed = {root}, True
+    while changed:
+        grown = tree | {pid for pid, (_, parent) in processes.items() if parent in tree}
+        changed, tree = grown != tree, grown
+    return sum(processes[pid][0] for pid in tree if pid in processes)
 
 
 def run_phase(url: str, options: argparse.Namespace,
-              hostile: Callable[[threading.Event, Phase], None] | None) -> Phase:
+              hostile: Callable[[threading.Event, Phase], None] | None,
+              server_pid: int) -> Phase:
     phase = Phase()
+    server_cpu = tree_cpu_seconds(server_pid)
     lock = threading.Lock()
     stop = threading.Event()
     sampler = LoadSampler(set())
@@ -265,8 +285,10 @@ def run_phase(url: str, options: argparse.Namespace,
         thread.join()
     phase.seconds = time.perf_counter() - started
     phase.others_cores = sampler.others_cores()
+    phase.server_cores = (tree_cpu_seconds(server_pid) - server_cpu) / phase.seconds
     if hostile_process is not None:
         phase.hostile = counts.get(timeout=120)  # after a request still in flight
+        phase.hostile_cores = phase.hostile.pop("cpu_ms") / 1000 / phase.seconds
         hostile_process.join(30)
     return phase
 
@@ -279,21 +301,23 @@ def report(name: str, phase: Phase, base: tuple[float, float] | None) -> None:
     statuses = " ".join(f"{key}:{value}" for key, value in sorted(phase.hostile.items()))
     print(f"{name:17s} {phase.rate:7.1f} tok/s  p99 TPOT {1000 * phase.p99_tpot:7.1f} ms  "
           f"p99 TTFT {1000 * phase.p99_ttft:7.0f} ms  max gap {1000 * phase.max_gap:7.0f} "
-          f"ms{ratios}  others {phase.others_cores:.2f} cores  {statuses}", flush=True)
+          f"ms{ratios}  server {phase.server_cores:.2f} hostile client "
+          f"{phase.hostile_cores:.2f} others {phase.others_cores:.2f} cores  {statuses}",
+          flush=True)
 
 
 def run_server_phases(options: argparse.Namespace, kinds: list[str], extra: list[str]
                       ) -> None:
-    with server(options.model, extra) as (url, _):
+    with server(options.model, extra) as (url, process):
         loops = hostile_loops(url, options.model, options)
-        run_phase(url, options, None)  # warm-up
-        before = run_phase(url, options, None)
+        run_phase(url, options, None, process.pid)  # warm-up
+        before = run_phase(url, options, None, process.pid)
         report("baseline", before, None)
         phases = {}
         for kind in kinds:
-            phases[kind] = run_phase(url, options, loops[kind])
+            phases[kind] = run_phase(url, options, loops[kind], process.pid)
             report(kind, phases[kind], None)
-        after = run_phase(url, options, None)
+        after = run_phase(url, options, None, process.pid)
         report("baseline again", after, None)
     base = (statistics.fmean([before.rate, after.rate]),
             statistics.fmean([before.p99_tpot, after.p99_tpot]))

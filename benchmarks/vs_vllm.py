@@ -78,7 +78,7 @@ OFFLINE = {"small": (48, (16, 160), (16, 160), 16),
 
 # ---------------------------------------------------------------------------- machine load
 
-def _cpu_seconds() -> dict[int, tuple[float, int]]:
+def process_cpu_seconds() -> dict[int, tuple[float, int]]:
     """pid -> (user + system CPU seconds, parent pid) for every process now alive."""
     ticks = os.sysconf("SC_CLK_TCK")
     result = {}
@@ -103,7 +103,7 @@ class LoadSampler:
         self._neighbours = neighbours
         self._stop = threading.Event()
         self._others = 0.0
-        self._last = _cpu_seconds()
+        self._last = process_cpu_seconds()
         self._start = time.monotonic()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -120,7 +120,7 @@ class LoadSampler:
         return ours
 
     def _sample(self) -> None:
-        now = _cpu_seconds()
+        now = process_cpu_seconds()
         ours = self._ours(now) | self._ours(self._last) | self._neighbours
         for pid, (seconds, _) in now.items():
             if pid not in ours:
