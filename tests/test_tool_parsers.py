@@ -255,10 +255,10 @@ PIECES = [*'{}[]":,;()=<>/ \nab1', *SPECIAL, "<function=", "<parameter=", "</par
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(PARSERS), st.lists(st.sampled_from(PIECES), max_size=40),
-       st.lists(st.integers(1, 8), max_size=30))
-def test_no_text_makes_a_parser_raise(name: str, pieces: list[str], sizes: list[int]) -> None:
-    tok, text = _TOKENIZER[0], "".join(pieces)
+@given(st.sampled_from(PARSERS), st.lists(st.sampled_from(PIECES), max_size=40).map("".join)
+       | st.text(max_size=80), st.lists(st.integers(1, 8), max_size=30))
+def test_no_text_makes_a_parser_raise(name: str, text: str, sizes: list[int]) -> None:
+    tok = _TOKENIZER[0]
     make(name, tok).extract_tool_calls(text, Request())
     p, previous, pos = make(name, tok), "", 0
     for size in [*sizes, len(text)]:
