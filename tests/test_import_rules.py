@@ -103,6 +103,8 @@ EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
     "triollm.engine.lora_registry", "triollm.engine.stats_collector", "triollm.engine.intake",
     "triollm.engine.step_budget", "triollm.engine.stop_strings",
     "triollm.server.tokenizer_process",
+    *modules_under("triollm.tool_parsers"), *modules_under("triollm.reasoning"),
+    "triollm.entrypoints.openai.tool_parsers",
 ])
 def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
     assert forbidden(module, ("torch", "transformers", *EVENT_LOOPS)) == []
