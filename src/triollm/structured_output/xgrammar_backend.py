@@ -40,7 +40,7 @@ class XgrammarMatcher:
 
     def accept_token(self, token_id: int) -> bool:
         if self._matcher.is_terminated():
-            return bool(self._eos_row[token_id // 32].item() >> (token_id % 32) & 1)
+            return bool(int(self._eos_row[token_id // 32]) >> (token_id % 32) & 1)
         return bool(self._matcher.accept_token(token_id))
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
