@@ -27,7 +27,6 @@ import json
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from common import save_llama, timed
@@ -115,15 +114,15 @@ def mask(args: argparse.Namespace) -> None:
         bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32,
                                 generator=generator)
         every = list(range(rows))
-        ours = timed(lambda: apply_bitmask(logits, bitmask, every), args.repeats)  # noqa: B023
+        ours = timed(lambda x=logits, m=bitmask, r=every: apply_bitmask(x, m, r), args.repeats)
         line = f"rows {rows:3d}, vocab {args.vocab_size}: apply_bitmask {ours * 1e6:8.1f} us"
         try:
             import xgrammar
         except ImportError:
             print(line + " (xgrammar not installed)")
             continue
-        theirs = timed(lambda: xgrammar.apply_token_bitmask_inplace(  # noqa: B023
-            logits, bitmask, backend="cpu"), args.repeats)
+        theirs = timed(lambda x=logits, m=bitmask: xgrammar.apply_token_bitmask_inplace(
+            x, m, backend="cpu"), args.repeats)
         print(line + f"; xgrammar's cpu kernel {theirs * 1e6:8.1f} us ({theirs / ours:.1f}x)")
 
 
