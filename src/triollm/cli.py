@@ -111,6 +111,10 @@ _HELP = {
                             "or http/protobuf; needs pip install 'triollm[tracing]')",
     "collect_detailed_traces": "add model forward (model) and model runner (worker) time "
                                "to each span: model, worker or all",
+    "structured_outputs_config": 'structured outputs as JSON: backend (auto, xgrammar, '
+                                 'guidance), disable_fallback, disable_any_whitespace, '
+                                 'disable_additional_properties, reasoning_parser, '
+                                 'enable_in_reasoning',
     "pooler_config": 'overrides of the model\'s pooling as JSON: pooling_type (MEAN, CLS, '
                      'LAST), use_activation (normalize), dimensions '
                      '(e.g. \'{"pooling_type": "MEAN"}\')',

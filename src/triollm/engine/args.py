@@ -17,6 +17,7 @@ from triollm.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from triollm.engine.resolve import (
     fail,
@@ -28,6 +29,7 @@ from triollm.engine.resolve import (
     resolve_dtype,
     resolve_max_model_len,
     resolve_runner,
+    structured_outputs_config,
 )
 
 __all__ = ["DEFAULT_OPTIMIZATION_LEVEL", "AsyncEngineArgs", "EngineArgs"]
@@ -109,10 +111,15 @@ class EngineArgs:
     #: Extra timings on each span: ``model``, ``worker`` or ``all`` (a list, or one
     #: comma-separated string).
     collect_detailed_traces: list[str] | str | None = None
+    #: Structured outputs: the grammar backend (``auto``, ``xgrammar``, ``guidance``)
+    #: and its options, as a ``StructuredOutputsConfig``, a dict of its fields or their
+    #: JSON (vLLM's ``--structured-outputs-config``).
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
         self._validate_ranges()
+        structured = structured_outputs_config(self.structured_outputs_config)
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         # Imported here so that building arguments (``triollm serve --help``) does not
@@ -201,7 +208,8 @@ class EngineArgs:
                                 target_modules=self.lora_target_modules, runner=runner,
                                 device=device, dtype=dtype),
                             observability=observability_config(
-                                self.otlp_traces_endpoint, self.collect_detailed_traces))
+                                self.otlp_traces_endpoint, self.collect_detailed_traces),
+                            structured_outputs=structured)
 
     def _validate_ranges(self) -> None:
         def positive_int(name: str, value: object) -> None:
