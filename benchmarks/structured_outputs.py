@@ -9,15 +9,20 @@ are then not detokenized, in either configuration). Every
 request asks for ``--output-len`` tokens with ``ignore_eos``; the schema (an array of at
 least 64 small objects) cannot be complete sooner, so each step computes and applies a
 real mask. Configurations alternate (none, json, none, json, ...) ``--repeats`` times per
-batch size through one ``LLM``; the ratios are json / none of the medians. TPOT is the
-mean of the requests' ``time_per_output_token``; throughput is output tokens per second
-of the whole batch.
+batch size through one ``LLM``; the ratios are json / none of the medians. The per-token
+time is the batch's time over its output length (every request is as long, so it is the
+step time); throughput is output tokens per second of the whole batch. ``--engines
+triollm vllm`` runs the same workload, each engine in its own process, through vLLM's
+CPU build too (same model, same schema, its ``structured_outputs_config`` backend), so
+both engines' ratios come from one run.
 
 ``mask``: ``apply_bitmask`` (triollm's batched unpack and masked fill) against
 xgrammar's ``apply_token_bitmask_inplace_cpu`` on ``[rows, vocab]`` float32 logits.
 
     python benchmarks/structured_outputs.py --backend auto --output-len 64
     python benchmarks/structured_outputs.py --vocab-size 151936
+    python benchmarks/structured_outputs.py --engines triollm vllm \
+        --vllm-python "$(../shared/anchors/vllm_cpu/setup.sh)"
     python benchmarks/structured_outputs.py mask --vocab-size 151936 --rows 1 16
 """
 
@@ -31,6 +36,13 @@ import time
 from typing import Any
 
 from common import save_llama, timed
+from vs_vllm import (
+    CONTAMINATED_CORES,
+    _patch_vllm_version,
+    platform_line,
+    python_for,
+    run_child,
+)
 
 SCHEMA: dict[str, Any] = {
     "type": "array", "minItems": 64,
@@ -53,57 +65,75 @@ def widen(model_dir: str, vocab_size: int) -> None:
     model.save_pretrained(model_dir)
 
 
-def run(args: argparse.Namespace) -> None:
-    from triollm import LLM, SamplingParams
-    from triollm.structured_output import StructuredOutputsParams
-
-    with tempfile.TemporaryDirectory() as directory:
-        save_llama(directory)
-        if args.vocab_size:
-            widen(directory, args.vocab_size)
-        llm = LLM(directory, max_num_seqs=max(args.batch), max_model_len=512,
-                  structured_outputs_config={"backend": args.backend})
+def measure(engine: str, model_dir: str, options: dict[str, Any]) -> None:
+    """Runs in its own process: one engine's medians, printed as one ``RESULT`` line."""
+    if engine == "vllm":
+        _patch_vllm_version()
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+    else:
+        from triollm import LLM, SamplingParams  # type: ignore[assignment]
+        from triollm.structured_output import (  # type: ignore[assignment]
+            StructuredOutputsParams,
+        )
+    batches, output_len = options["batch"], options["output_len"]
+    llm = LLM(model=model_dir, dtype="bfloat16", max_num_seqs=max(batches), max_model_len=512,
+              structured_outputs_config={"backend": options["backend"]}, seed=0)
     constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 500 + 5 for j in range(32)]}
-               for i in range(max(args.batch))]
+               for i in range(max(batches))]
 
     def once(batch: int, constrained: bool) -> tuple[float, float]:
         # Widened, an unconstrained sample mostly draws ids the tokenizer lacks, whose
         # detokenizing would be measured instead: neither configuration detokenizes.
-        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.8,
-                                seed=1, detokenize=not args.vocab_size,
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.8,
+                                seed=1, detokenize=not options["vocab_size"],
                                 structured_outputs=constraint if constrained else None)
         start = time.perf_counter()
-        outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
+        outputs = llm.generate(prompts[:batch], params, use_tqdm=False)  # type: ignore[arg-type]
         elapsed = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        tpots = [o.metrics.time_per_output_token for o in outputs if o.metrics is not None]
-        return statistics.fmean(t for t in tpots if t is not None), tokens / elapsed
+        assert tokens == batch * output_len, tokens
+        return elapsed / output_len, tokens / elapsed
 
     once(1, True)  # compiles the grammar, warms the model
-    once(max(args.batch), False)
-    report: dict[str, Any] = {"backend": llm.engine.config.structured_outputs.backend,
-                              "vocab_size": llm.engine.vocab_size,
-                              "output_len": args.output_len}
-    for batch in args.batch:
+    once(max(batches), False)
+    report: dict[str, Any] = {}
+    for batch in batches:
         runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-        for _ in range(args.repeats):
+        for _ in range(options["repeats"]):
             for constrained in (False, True):
                 runs[constrained].append(once(batch, constrained))
-        tpot = {c: statistics.median(r[0] for r in runs[c]) for c in runs}
-        throughput = {c: statistics.median(r[1] for r in runs[c]) for c in runs}
-        report[f"batch {batch}"] = {
-            "tpot_ms": {"none": round(tpot[False] * 1000, 2), "json": round(tpot[True] * 1000, 2)},
-            "throughput_tok_s": {"none": round(throughput[False], 1),
-                                 "json": round(throughput[True], 1)},
-            "tpot_ratio": round(tpot[True] / tpot[False], 3),
-            "throughput_ratio": round(throughput[True] / throughput[False], 3),
-        }
-        print(f"batch {batch:3d}: TPOT none {tpot[False] * 1000:7.2f} ms, json "
-              f"{tpot[True] * 1000:7.2f} ms ({tpot[True] / tpot[False]:.3f}x); throughput "
-              f"none {throughput[False]:7.1f} tok/s, json {throughput[True]:7.1f} tok/s "
-              f"({throughput[True] / throughput[False]:.3f}x)", flush=True)
-    print("RESULT " + json.dumps(report))
+        report[str(batch)] = {
+            "tpot_ms": {c: 1000 * statistics.median(r[0] for r in runs[v])
+                        for c, v in (("none", False), ("json", True))},
+            "tok_s": {c: statistics.median(r[1] for r in runs[v])
+                      for c, v in (("none", False), ("json", True))}}
+    print("RESULT " + json.dumps(report), flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Each engine in a child process of its own, on the same saved model."""
+    options = {"batch": args.batch, "output_len": args.output_len, "repeats": args.repeats,
+               "backend": args.backend, "vocab_size": args.vocab_size}
+    print(platform_line())
+    with tempfile.TemporaryDirectory() as directory:
+        save_llama(directory)
+        if args.vocab_size:
+            widen(directory, args.vocab_size)
+        for engine in args.engines:
+            python = python_for(engine, args.vllm_python)
+            result, others = run_child(
+                [python, __file__, "--child", engine, directory, json.dumps(options)],
+                f"{engine} run")
+            flag = "  CONTAMINATED" if others > CONTAMINATED_CORES else ""
+            print(f"{engine} (backend {args.backend}, others used {others:.2f} cores{flag}):")
+            for batch, figures in result.items():
+                tpot, rate = figures["tpot_ms"], figures["tok_s"]
+                print(f"  batch {int(batch):3d}: step time none {tpot['none']:7.2f} ms, json "
+                      f"{tpot['json']:7.2f} ms ({tpot['json'] / tpot['none']:.3f}x); "
+                      f"throughput none {rate['none']:7.1f} tok/s, json {rate['json']:7.1f} "
+                      f"tok/s ({rate['json'] / rate['none']:.3f}x)", flush=True)
 
 
 def mask(args: argparse.Namespace) -> None:
@@ -140,8 +170,16 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=0,
                         help="widen the model's logits to this many (0: the tokenizer's)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--engines", nargs="+", choices=("triollm", "vllm"),
+                        default=["triollm"], help="vllm: vLLM's CPU build, the same run")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the python of vLLM's venv (../shared/anchors/vllm_cpu/setup.sh)")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.what == "mask":
+    if args.child:
+        engine, model_dir, options = args.child
+        measure(engine, model_dir, json.loads(options))
+    elif args.what == "mask":
         args.vocab_size = args.vocab_size or 151936
         args.repeats = max(args.repeats, 50)
         mask(args)
