@@ -28,6 +28,7 @@ from triollm.engine.resolve import (
     resolve_dtype,
     resolve_max_model_len,
     resolve_runner,
+    structured_outputs_config,
 )
 
 __all__ = ["DEFAULT_OPTIMIZATION_LEVEL", "AsyncEngineArgs", "EngineArgs"]
@@ -109,6 +110,13 @@ class EngineArgs:
     #: Extra timings on each span: ``model``, ``worker`` or ``all`` (a list, or one
     #: comma-separated string).
     collect_detailed_traces: list[str] | str | None = None
+    #: vLLM's structured-output settings (a dict or JSON): ``backend`` (``auto``,
+    #: ``xgrammar``, ``guidance``), ``disable_fallback``, ``disable_any_whitespace``,
+    #: ``disable_additional_properties``, ``reasoning_parser``, ``enable_in_reasoning``.
+    structured_outputs_config: dict[str, Any] | str | None = None
+    #: Older vLLM's spelling of the backend: ``NAME[:option,...]`` (options
+    #: ``no-fallback``, ``disable-any-whitespace``, ``no-additional-properties``).
+    guided_decoding_backend: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
@@ -201,7 +209,10 @@ class EngineArgs:
                                 target_modules=self.lora_target_modules, runner=runner,
                                 device=device, dtype=dtype),
                             observability=observability_config(
-                                self.otlp_traces_endpoint, self.collect_detailed_traces))
+                                self.otlp_traces_endpoint, self.collect_detailed_traces),
+                            structured_outputs=structured_outputs_config(
+                                self.structured_outputs_config,
+                                self.guided_decoding_backend))
 
     def _validate_ranges(self) -> None:
         def positive_int(name: str, value: object) -> None:

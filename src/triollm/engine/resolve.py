@@ -13,7 +13,13 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from triollm.config import LoRAConfig, ObservabilityConfig, PoolingTask, RunnerKind
+from triollm.config import (
+    LoRAConfig,
+    ObservabilityConfig,
+    PoolingTask,
+    RunnerKind,
+    StructuredOutputsConfig,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -128,6 +134,51 @@ def json_object(name: str, value: Mapping[str, Any] | str | None) -> dict[str, A
     if not isinstance(value, Mapping):
         raise fail(name, f"must be a JSON object, got {value!r}")
     return dict(value)
+
+
+#: ``--structured-outputs-config``'s backends (vLLM's ``outlines`` and
+#: ``lm-format-enforcer`` are not among them).
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "guidance")
+#: The options older vLLM wrote after the backend (``xgrammar:no-fallback``).
+_BACKEND_OPTIONS = {"no-fallback": "disable_fallback",
+                    "disable-any-whitespace": "disable_any_whitespace",
+                    "no-additional-properties": "disable_additional_properties"}
+
+
+def structured_outputs_config(value: Mapping[str, Any] | str | None,
+                              guided_decoding_backend: str | None) -> StructuredOutputsConfig:
+    """``--structured-outputs-config`` (JSON with vLLM's keys) and older vLLM's
+    ``--guided-decoding-backend`` (``NAME[:option,...]``) as one config; unknown keys,
+    backends and options are refused by name."""
+    fields = json_object("structured_outputs_config", value)
+    known = set(StructuredOutputsConfig.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise fail("structured_outputs_config", f"unknown keys {', '.join(unknown)} (known: "
+                   f"{', '.join(sorted(known))})")
+    if guided_decoding_backend is not None:
+        name, _, options = guided_decoding_backend.partition(":")
+        if fields.get("backend", name) != name:
+            raise fail("guided_decoding_backend", f"{name!r} contradicts "
+                       f"--structured-outputs-config's backend {fields['backend']!r}")
+        fields["backend"] = name
+        for option in filter(None, (o.strip() for o in options.split(","))):
+            if option not in _BACKEND_OPTIONS:
+                raise fail("guided_decoding_backend", f"unknown option {option!r} (known: "
+                           f"{', '.join(_BACKEND_OPTIONS)})")
+            fields[_BACKEND_OPTIONS[option]] = True
+    backend = fields.get("backend", "auto")
+    if backend not in GRAMMAR_BACKENDS:
+        raise fail("structured_outputs_config", f"backend must be one of "
+                   f"{', '.join(GRAMMAR_BACKENDS)}, got {backend!r}")
+    for name, default in (("disable_fallback", False), ("disable_any_whitespace", False),
+                          ("disable_additional_properties", False),
+                          ("enable_in_reasoning", False)):
+        if not isinstance(fields.get(name, default), bool):
+            raise fail("structured_outputs_config", f"{name} must be true or false")
+    if not isinstance(fields.get("reasoning_parser") or "", str):
+        raise fail("structured_outputs_config", "reasoning_parser must be a string")
+    return StructuredOutputsConfig(**fields)
 
 
 #: Encoders whose positions start after the padding index (RoBERTa's scheme), so
