@@ -28,6 +28,11 @@ __all__ = ["BACKENDS", "Constraint", "JsonSchemaFormat", "ResponseFormat",
 #: The grammar backends a server runs (``--structured-outputs-config``'s ``backend``).
 BACKENDS = ("auto", "xgrammar", "guidance")
 
+#: A JSON schema as an object or its text: typed ``Any`` so that a wrong type is named
+#: by the conversion as the field itself (a union's error names each member).
+_SCHEMA_FIELD: Any = {"json_schema_extra": {"anyOf": [{"type": "object"}, {"type": "null"},
+                                                      {"type": "string"}]}}
+
 #: The constraint keys of ``structured_outputs`` (``StructuredOutputsParams``' kinds).
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 #: The older top-level fields, each the ``StructuredOutputsParams`` field it sets.
@@ -72,7 +77,7 @@ class StructuredOutputsObject(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    json_: Any = Field(default=None, alias="json", **_SCHEMA_FIELD)
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -89,7 +94,7 @@ class StructuredOutputFields(BaseModel):
 
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsObject | None = None
-    guided_json: str | dict[str, Any] | None = None
+    guided_json: Any = Field(default=None, **_SCHEMA_FIELD)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
