@@ -19,7 +19,7 @@ import pytest
 
 from server_helpers import ThreadedServer, server_in_thread
 from triollm import AsyncEngineArgs, AsyncLLMEngine
-from triollm.engine.resolve import structured_outputs_config
+from triollm.engine.resolve import guided_decoding_backend, structured_outputs_config
 
 MODEL = "tiny"
 #: Few enough blocks that four long constrained requests at once cannot all stay.
@@ -301,16 +301,20 @@ def test_langchain_with_structured_output(server: ThreadedServer) -> None:
 
 
 def test_config_flags_are_read_as_vllm_reads_them() -> None:
-    config = structured_outputs_config('{"backend": "guidance", "disable_fallback": true}',
-                                       None)
+    def read(value: str | None, older: str | None = None) -> Any:
+        return guided_decoding_backend(structured_outputs_config(value), older)
+
+    config = read('{"backend": "guidance", "disable_fallback": true}')
     assert (config.backend, config.disable_fallback) == ("guidance", True)
-    older = structured_outputs_config(None, "xgrammar:no-fallback,disable-any-whitespace")
+    older = read(None, "xgrammar:no-fallback,disable-any-whitespace")
     assert (older.backend, older.disable_fallback, older.disable_any_whitespace) == (
         "xgrammar", True, True)
+    assert read('{"backend": "guidance"}', "guidance").backend == "guidance"
     for value, backend, named in (('{"backends": "auto"}', None, "backends"),
                                   ('{"backend": "outlines"}', None, "outlines"),
+                                  (None, "outlines", "outlines"),
                                   (None, "xgrammar:fast", "fast"),
                                   ('{"backend": "guidance"}', "xgrammar", "xgrammar"),
                                   ("[1]", None, "JSON object")):
         with pytest.raises(ValueError, match=named):
-            structured_outputs_config(value, backend)
+            read(value, backend)

@@ -111,13 +111,13 @@ _HELP = {
                             "or http/protobuf; needs pip install 'triollm[tracing]')",
     "collect_detailed_traces": "add model forward (model) and model runner (worker) time "
                                "to each span: model, worker or all",
+    "structured_outputs_config": 'structured outputs as JSON: backend (auto, xgrammar, '
+                                 'guidance), disable_fallback, disable_any_whitespace, '
+                                 'disable_additional_properties, reasoning_parser, '
+                                 'enable_in_reasoning',
     "pooler_config": 'overrides of the model\'s pooling as JSON: pooling_type (MEAN, CLS, '
                      'LAST), use_activation (normalize), dimensions '
                      '(e.g. \'{"pooling_type": "MEAN"}\')',
-    "structured_outputs_config": 'structured outputs as JSON with vLLM\'s keys: backend '
-                                 '(auto, xgrammar, guidance), disable_fallback, '
-                                 'disable_any_whitespace, disable_additional_properties '
-                                 '(e.g. \'{"backend": "guidance"}\')',
     "guided_decoding_backend": "older vLLM's spelling of the structured-output backend: "
                                "auto, xgrammar or guidance, with :no-fallback, "
                                ":disable-any-whitespace, :no-additional-properties",

@@ -161,7 +161,8 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
               "--prefix-cache-retention-interval", "--prefix-caching-hash-algo",
               "--prefix-match-unit", "--kv-cache-memory-bytes", "--renderer-num-workers",
               "--additional-config", "--aux-output-config", "--diffusion-config",
-              "--engram-config", "--profiler-config", "--weight-transfer-config"),
+              "--engram-config", "--profiler-config",
+              "--weight-transfer-config"),
     **_lists(_NOT_IMPLEMENTED, "--ignore-patterns", "--logits-processors",
              "--sleep-preserve-parameter-names", "--middleware"),
     # model loading and tokenizers, where triollm does one thing
@@ -219,6 +220,7 @@ OLDER_VLLM_FLAGS: dict[str, RefusedFlag] = {
     **_switches(_REMOVED + "one step is scheduled at a time",
                 "--multi-step-stream-outputs"),
     **_values(_KERNELS, "--max-seq-len-to-capture"),
+    **_values("this server has no guided decoding", "--guided-decoding-backend"),
     **_values("vLLM renamed it --pooler-config; pass that", "--override-pooler-config"),
     **_values(_SPEC, "--speculative-model", "--num-speculative-tokens",
               "--num-lookahead-slots"),

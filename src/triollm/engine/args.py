@@ -17,10 +17,12 @@ from triollm.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from triollm.engine.resolve import (
     fail,
     generation_defaults,
+    guided_decoding_backend,
     json_object,
     lora_config,
     observability_config,
@@ -110,10 +112,10 @@ class EngineArgs:
     #: Extra timings on each span: ``model``, ``worker`` or ``all`` (a list, or one
     #: comma-separated string).
     collect_detailed_traces: list[str] | str | None = None
-    #: vLLM's structured-output settings (a dict or JSON): ``backend`` (``auto``,
-    #: ``xgrammar``, ``guidance``), ``disable_fallback``, ``disable_any_whitespace``,
-    #: ``disable_additional_properties``, ``reasoning_parser``, ``enable_in_reasoning``.
-    structured_outputs_config: dict[str, Any] | str | None = None
+    #: Structured outputs: the grammar backend (``auto``, ``xgrammar``, ``guidance``)
+    #: and its options, as a ``StructuredOutputsConfig``, a dict of its fields or their
+    #: JSON (vLLM's ``--structured-outputs-config``).
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
     #: Older vLLM's spelling of the backend: ``NAME[:option,...]`` (options
     #: ``no-fallback``, ``disable-any-whitespace``, ``no-additional-properties``).
     guided_decoding_backend: str | None = None
@@ -121,6 +123,9 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
         self._validate_ranges()
+        structured = guided_decoding_backend(
+            structured_outputs_config(self.structured_outputs_config),
+            self.guided_decoding_backend)
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         # Imported here so that building arguments (``triollm serve --help``) does not
@@ -210,9 +215,7 @@ class EngineArgs:
                                 device=device, dtype=dtype),
                             observability=observability_config(
                                 self.otlp_traces_endpoint, self.collect_detailed_traces),
-                            structured_outputs=structured_outputs_config(
-                                self.structured_outputs_config,
-                                self.guided_decoding_backend))
+                            structured_outputs=structured)
 
     def _validate_ranges(self) -> None:
         def positive_int(name: str, value: object) -> None:

@@ -8,6 +8,8 @@ transformers.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import logging
 from collections.abc import Mapping
@@ -136,49 +138,31 @@ def json_object(name: str, value: Mapping[str, Any] | str | None) -> dict[str, A
     return dict(value)
 
 
-#: ``--structured-outputs-config``'s backends (vLLM's ``outlines`` and
-#: ``lm-format-enforcer`` are not among them).
-GRAMMAR_BACKENDS = ("auto", "xgrammar", "guidance")
-#: The options older vLLM wrote after the backend (``xgrammar:no-fallback``).
+#: The options older vLLM wrote after ``--guided-decoding-backend``'s name
+#: (``xgrammar:no-fallback``), each the ``StructuredOutputsConfig`` field it sets.
 _BACKEND_OPTIONS = {"no-fallback": "disable_fallback",
                     "disable-any-whitespace": "disable_any_whitespace",
                     "no-additional-properties": "disable_additional_properties"}
 
 
-def structured_outputs_config(value: Mapping[str, Any] | str | None,
-                              guided_decoding_backend: str | None) -> StructuredOutputsConfig:
-    """``--structured-outputs-config`` (JSON with vLLM's keys) and older vLLM's
-    ``--guided-decoding-backend`` (``NAME[:option,...]``) as one config; unknown keys,
-    backends and options are refused by name."""
-    fields = json_object("structured_outputs_config", value)
-    known = set(StructuredOutputsConfig.__dataclass_fields__)
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise fail("structured_outputs_config", f"unknown keys {', '.join(unknown)} (known: "
-                   f"{', '.join(sorted(known))})")
-    if guided_decoding_backend is not None:
-        name, _, options = guided_decoding_backend.partition(":")
-        if fields.get("backend", name) != name:
-            raise fail("guided_decoding_backend", f"{name!r} contradicts "
-                       f"--structured-outputs-config's backend {fields['backend']!r}")
-        fields["backend"] = name
-        for option in filter(None, (o.strip() for o in options.split(","))):
-            if option not in _BACKEND_OPTIONS:
-                raise fail("guided_decoding_backend", f"unknown option {option!r} (known: "
-                           f"{', '.join(_BACKEND_OPTIONS)})")
-            fields[_BACKEND_OPTIONS[option]] = True
-    backend = fields.get("backend", "auto")
-    if backend not in GRAMMAR_BACKENDS:
-        raise fail("structured_outputs_config", f"backend must be one of "
-                   f"{', '.join(GRAMMAR_BACKENDS)}, got {backend!r}")
-    for name, default in (("disable_fallback", False), ("disable_any_whitespace", False),
-                          ("disable_additional_properties", False),
-                          ("enable_in_reasoning", False)):
-        if not isinstance(fields.get(name, default), bool):
-            raise fail("structured_outputs_config", f"{name} must be true or false")
-    if not isinstance(fields.get("reasoning_parser") or "", str):
-        raise fail("structured_outputs_config", "reasoning_parser must be a string")
-    return StructuredOutputsConfig(**fields)
+def guided_decoding_backend(config: StructuredOutputsConfig, value: str | None
+                            ) -> StructuredOutputsConfig:
+    """Older vLLM's ``--guided-decoding-backend NAME[:option,...]`` over ``config``
+    (from ``--structured-outputs-config``): its backend and options; a backend that
+    contradicts the config's, or an unknown option, is refused by name."""
+    if value is None:
+        return config
+    name, _, options = value.partition(":")
+    if config.backend not in ("auto", name):
+        raise fail("guided_decoding_backend", f"{name!r} contradicts "
+                   f"structured_outputs_config's backend {config.backend!r}")
+    changes: dict[str, Any] = {"backend": name}
+    for option in filter(None, (o.strip() for o in options.split(","))):
+        if option not in _BACKEND_OPTIONS:
+            raise fail("guided_decoding_backend", f"unknown option {option!r} (known: "
+                       f"{', '.join(_BACKEND_OPTIONS)})")
+        changes[_BACKEND_OPTIONS[option]] = True
+    return structured_outputs_config(dataclasses.replace(config, **changes))
 
 
 #: Encoders whose positions start after the padding index (RoBERTa's scheme), so
@@ -355,3 +339,32 @@ def resolve_max_model_len(model: str, hf_config: PretrainedConfig, runner: Runne
             raise fail("max_model_len", f"{max_model_len} exceeds the model's context "
                        f"length {model_limit}")
     return max_model_len
+
+
+def structured_outputs_config(value: StructuredOutputsConfig | Mapping[str, Any] | str | None
+                              ) -> StructuredOutputsConfig:
+    """``structured_outputs_config``: the config itself, a dict of its fields, or their
+    JSON (``--structured-outputs-config``)."""
+    name = "structured_outputs_config"
+    if isinstance(value, StructuredOutputsConfig):
+        config = value
+    else:
+        fields = json_object(name, value)
+        known = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise fail(name, f"unknown field(s) {', '.join(unknown)} (known: "
+                       f"{', '.join(sorted(known))})")
+        config = StructuredOutputsConfig(**fields)
+    if config.backend not in ("auto", "xgrammar", "guidance"):
+        raise fail(name, f"backend must be auto, xgrammar or guidance, got {config.backend!r}")
+    if config.backend == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+        raise fail(name, "backend xgrammar is not installed (pip install 'triollm[xgrammar]')")
+    for flag in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                 "enable_in_reasoning"):
+        if not isinstance(getattr(config, flag), bool):
+            raise fail(name, f"{flag} must be true or false")
+    if config.reasoning_parser is not None and not isinstance(config.reasoning_parser, str):
+        raise fail(name, "reasoning_parser must be a parser's name")
+    return config
+

@@ -21,12 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from triollm.structured_output.params import StructuredOutputsParams
 
-__all__ = ["BACKENDS", "Constraint", "JsonSchemaFormat", "ResponseFormat",
+__all__ = ["Constraint", "JsonSchemaFormat", "ResponseFormat",
            "StructuredOutputFields", "StructuredOutputsObject", "check_backend", "renamed",
            "text_format_constraint"]
-
-#: The grammar backends a server runs (``--structured-outputs-config``'s ``backend``).
-BACKENDS = ("auto", "xgrammar", "guidance")
 
 #: A JSON schema as an object or its text: typed ``Any`` so that a wrong type is named
 #: by the conversion as the field itself (a union's error names each member).
