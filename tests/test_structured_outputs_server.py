@@ -55,9 +55,12 @@ LONG: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def server(llama_path: Path) -> Iterator[ThreadedServer]:
+    # guidance, not auto: xgrammar (auto's first choice) lets a JSON string hold raw
+    # control characters, which no JSON parser accepts
     args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=384,
                            num_gpu_blocks_override=KV_BLOCKS, max_num_seqs=8,
-                           structured_outputs_config={"disable_any_whitespace": True},
+                           structured_outputs_config={"backend": "guidance",
+                                                      "disable_any_whitespace": True},
                            disable_log_requests=True)
     engine = AsyncLLMEngine.from_engine_args(args)
     with server_in_thread(engine, served_model_names=(MODEL,)) as running:
@@ -83,19 +86,27 @@ def metric(server: ThreadedServer, name: str) -> float:
     return sum(values)
 
 
-def test_json_schema_outputs_validate_with_n_and_a_seed(client: openai.OpenAI) -> None:
+def test_json_schema_outputs_validate_with_n_and_a_seed(server: ThreadedServer,
+                                                       client: openai.OpenAI) -> None:
+    hits = metric(server, "triollm:structured_outputs_grammar_cache_hits_total")
+    misses = metric(server, "triollm:structured_outputs_grammar_cache_misses_total")
+    schema = {**PERSON, "title": "compiled once"}  # a text no other test compiles
     reply = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, response_format=schema_format(PERSON), n=3, seed=7,
+        model=MODEL, messages=MESSAGES, response_format=schema_format(schema), n=3, seed=7,
         temperature=1.0, max_tokens=200)
     assert len(reply.choices) == 3
     for choice in reply.choices:
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
     again = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, response_format=schema_format(PERSON), n=3, seed=7,
+        model=MODEL, messages=MESSAGES, response_format=schema_format(schema), n=3, seed=7,
         temperature=1.0, max_tokens=200)
     assert [c.message.content for c in again.choices] == [
         c.message.content for c in reply.choices]
+    # the schema is compiled once; the second request finds it in the cache
+    assert metric(server, "triollm:structured_outputs_grammar_cache_misses_total") == \
+        misses + 1
+    assert metric(server, "triollm:structured_outputs_grammar_cache_hits_total") == hits + 1
 
 
 def test_streaming_gives_the_same_text_as_not_streaming(client: openai.OpenAI) -> None:
@@ -185,7 +196,7 @@ def test_max_tokens_cuts_the_json_with_finish_reason_length(client: openai.OpenA
         model=MODEL, messages=MESSAGES, response_format=schema_format(LONG), max_tokens=5)
     choice = reply.choices[0]
     assert choice.finish_reason == "length"
-    assert (choice.message.content or "").startswith('{"words":')
+    assert (choice.message.content or "").startswith('{"')
     with pytest.raises(json.JSONDecodeError):
         json.loads(choice.message.content or "")
 
