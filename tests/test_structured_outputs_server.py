@@ -19,6 +19,7 @@ import pytest
 
 from server_helpers import ThreadedServer, server_in_thread
 from triollm import AsyncEngineArgs, AsyncLLMEngine
+from triollm.cli import build_parser, engine_args_from_namespace, normalize_argv
 from triollm.engine.resolve import guided_decoding_backend, structured_outputs_config
 
 MODEL = "tiny"
@@ -329,3 +330,14 @@ def test_config_flags_are_read_as_vllm_reads_them() -> None:
                                   ("[1]", None, "JSON object")):
         with pytest.raises(ValueError, match=named):
             read(value, backend)
+
+
+def test_the_flags_reach_the_engine_arguments() -> None:
+    namespace = build_parser().parse_args(normalize_argv([
+        "serve", "m", "--structured-outputs-config", '{"disable_any_whitespace": true}',
+        "--guided-decoding-backend", "guidance:no-fallback"]))
+    args = engine_args_from_namespace(namespace, AsyncEngineArgs)
+    config = guided_decoding_backend(structured_outputs_config(args.structured_outputs_config),
+                                     args.guided_decoding_backend)
+    assert (config.backend, config.disable_fallback, config.disable_any_whitespace) == (
+        "guidance", True, True)
