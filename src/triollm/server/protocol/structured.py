@@ -27,8 +27,7 @@ __all__ = ["Constraint", "JsonSchemaFormat", "ResponseFormat",
 
 #: A JSON schema as an object or its text: typed ``Any`` so that a wrong type is named
 #: by the conversion as the field itself (a union's error names each member).
-_SCHEMA_FIELD: Any = {"json_schema_extra": {"anyOf": [{"type": "object"}, {"type": "null"},
-                                                      {"type": "string"}]}}
+_SCHEMA_FIELD: Any = {"anyOf": [{"type": "object"}, {"type": "null"}, {"type": "string"}]}
 
 #: The constraint keys of ``structured_outputs`` (``StructuredOutputsParams``' kinds).
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -74,7 +73,7 @@ class StructuredOutputsObject(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    json_: Any = Field(default=None, alias="json", **_SCHEMA_FIELD)
+    json_: Any = Field(default=None, alias="json", json_schema_extra=_SCHEMA_FIELD)
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -91,7 +90,7 @@ class StructuredOutputFields(BaseModel):
 
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsObject | None = None
-    guided_json: Any = Field(default=None, **_SCHEMA_FIELD)
+    guided_json: Any = Field(default=None, json_schema_extra=_SCHEMA_FIELD)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
