@@ -246,3 +246,9 @@ def test_chunked_prefill_and_prefix_caching_give_the_same_constrained_output(
     for _ in range(2):  # the second one starts from the cached prefix
         assert chunked.generate(prompt, params, use_tqdm=False)[0].outputs[0].text == expected
     assert chunked.engine.statistics().prefix_cache_hits > 0
+
+
+def test_chat_takes_structured_outputs_too(llm: LLM) -> None:
+    (output,) = llm.chat([{"role": "user", "content": "a point, please"}], json_params(seed=4),
+                         use_tqdm=False)
+    assert_valid(output.outputs[0].text)

@@ -1,11 +1,12 @@
 """The torch model runner: one forward per engine step over a flattened batch.
 
 It owns the transformers model, the paged KV cache and the per-request sampling state
-(seeded generators, token history for penalties, the grammar matcher of a constrained
-request, whose next allowed tokens are computed while the forward runs). Its set-up (setup.py: CPU
-preparation, profiling, KV sizing; compile.py: the decode attention and the compiled
-model) runs in the constructor; a step prepares the flattened batch (batch.py), runs
-the forward, samples, and computes prompt log-probabilities where asked.
+(seeded generators, token history for penalties, a constrained sample's grammar
+matcher). Its set-up (setup.py: CPU preparation, profiling, KV sizing; compile.py: the
+decode attention and the compiled model) runs in the constructor; a step computes the
+constrained samples' allowed tokens in a helper thread while it prepares the flattened
+batch (batch.py) and runs the forward, then samples, and computes prompt
+log-probabilities where asked.
 """
 
 from __future__ import annotations
