@@ -118,6 +118,7 @@ _HELP = {
     "pooler_config": 'overrides of the model\'s pooling as JSON: pooling_type (MEAN, CLS, '
                      'LAST), use_activation (normalize), dimensions '
                      '(e.g. \'{"pooling_type": "MEAN"}\')',
+    "guided_decoding_backend": "older vLLM's backend flag: NAME[:no-fallback,...]",
 }
 
 

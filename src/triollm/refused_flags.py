@@ -220,7 +220,6 @@ OLDER_VLLM_FLAGS: dict[str, RefusedFlag] = {
     **_switches(_REMOVED + "one step is scheduled at a time",
                 "--multi-step-stream-outputs"),
     **_values(_KERNELS, "--max-seq-len-to-capture"),
-    **_values("this server has no guided decoding", "--guided-decoding-backend"),
     **_values("vLLM renamed it --pooler-config; pass that", "--override-pooler-config"),
     **_values(_SPEC, "--speculative-model", "--num-speculative-tokens",
               "--num-lookahead-slots"),

@@ -22,6 +22,7 @@ from triollm.config import (
 from triollm.engine.resolve import (
     fail,
     generation_defaults,
+    guided_decoding_backend,
     json_object,
     lora_config,
     observability_config,
@@ -115,11 +116,16 @@ class EngineArgs:
     #: and its options, as a ``StructuredOutputsConfig``, a dict of its fields or their
     #: JSON (vLLM's ``--structured-outputs-config``).
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
+    #: Older vLLM's spelling of the backend: ``NAME[:option,...]`` (options
+    #: ``no-fallback``, ``disable-any-whitespace``, ``no-additional-properties``).
+    guided_decoding_backend: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
         self._validate_ranges()
-        structured = structured_outputs_config(self.structured_outputs_config)
+        structured = guided_decoding_backend(
+            structured_outputs_config(self.structured_outputs_config),
+            self.guided_decoding_backend)
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         # Imported here so that building arguments (``triollm serve --help``) does not

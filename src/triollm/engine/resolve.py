@@ -138,6 +138,33 @@ def json_object(name: str, value: Mapping[str, Any] | str | None) -> dict[str, A
     return dict(value)
 
 
+#: The options older vLLM wrote after ``--guided-decoding-backend``'s name
+#: (``xgrammar:no-fallback``), each the ``StructuredOutputsConfig`` field it sets.
+_BACKEND_OPTIONS = {"no-fallback": "disable_fallback",
+                    "disable-any-whitespace": "disable_any_whitespace",
+                    "no-additional-properties": "disable_additional_properties"}
+
+
+def guided_decoding_backend(config: StructuredOutputsConfig, value: str | None
+                            ) -> StructuredOutputsConfig:
+    """Older vLLM's ``--guided-decoding-backend NAME[:option,...]`` over ``config``
+    (from ``--structured-outputs-config``): its backend and options; a backend that
+    contradicts the config's, or an unknown option, is refused by name."""
+    if value is None:
+        return config
+    name, _, options = value.partition(":")
+    if config.backend not in ("auto", name):
+        raise fail("guided_decoding_backend", f"{name!r} contradicts "
+                   f"structured_outputs_config's backend {config.backend!r}")
+    changes: dict[str, Any] = {"backend": name}
+    for option in filter(None, (o.strip() for o in options.split(","))):
+        if option not in _BACKEND_OPTIONS:
+            raise fail("guided_decoding_backend", f"unknown option {option!r} (known: "
+                       f"{', '.join(_BACKEND_OPTIONS)})")
+        changes[_BACKEND_OPTIONS[option]] = True
+    return structured_outputs_config(dataclasses.replace(config, **changes))
+
+
 #: Encoders whose positions start after the padding index (RoBERTa's scheme), so
 #: ``max_position_embeddings`` counts ``pad_token_id + 1`` positions no token uses.
 _OFFSET_POSITION_TYPES = frozenset({"roberta", "xlm-roberta", "camembert"})

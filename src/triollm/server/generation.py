@@ -19,7 +19,13 @@ from fastapi.responses import Response
 
 from triollm.errors import EngineClosedError, EngineError
 from triollm.outputs import RequestOutput
-from triollm.server.errors import bad_request, engine_unavailable, raise_first_answer
+from triollm.server.errors import (
+    OpenAIError,
+    bad_request,
+    engine_unavailable,
+    raise_first_answer,
+)
+from triollm.server.protocol.structured import renamed
 from triollm.server.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -57,11 +63,24 @@ async def open_streams(engine: AsyncLLMEngine, request: GenerationRequest
         trace_headers=request.trace_headers)
         for prompt, engine_id in zip(request.prompts, request.engine_ids, strict=True)]
     try:
-        yield await _first_outputs(streams)
+        try:
+            firsts = await _first_outputs(streams)
+        except OpenAIError as error:
+            raise _naming_constraint(error, request.constraint_field) from error
+        yield firsts
     finally:
         with anyio.CancelScope(shield=True):
             for stream in streams:
                 await stream.aclose()
+
+
+def _naming_constraint(error: OpenAIError, field: str | None) -> OpenAIError:
+    """The engine's 400 about a request's constraint (it names ``structured_outputs``)
+    naming the body's field instead, as the client wrote it."""
+    if field is None or error.status != 400 or error.param is None \
+            or error.param.split(".")[0] != "structured_outputs":
+        return error
+    return bad_request(renamed(ValueError(error.message), field))
 
 
 async def _first_outputs(streams: list[EngineStream]) -> list[Submitted]:

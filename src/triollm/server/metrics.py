@@ -3,11 +3,11 @@ Grafana dashboard reads a triollm server unchanged.
 
 Counters and histograms are fed by the engine after every step (``StatLogger``); the
 gauges (running, waiting, KV-cache usage) and the engine's own running totals
-(preemptions, prefix-cache queries and hits) are read from ``engine.statistics()``
-when ``/metrics`` is scraped. Every series is labelled ``model_name`` and ``engine``
-("0": one engine per server), as vLLM labels them. Metrics vLLM does not have carry a
-``triollm:`` prefix. Each server has its own registry, so several can live in one
-process (tests do).
+(preemptions, prefix-cache queries and hits, compiled-grammar cache hits and misses)
+are read from ``engine.statistics()`` when ``/metrics`` is scraped. Every series is
+labelled ``model_name`` and ``engine`` ("0": one engine per server), as vLLM labels
+them. Metrics vLLM does not have carry a ``triollm:`` prefix. Each server has its own
+registry, so several can live in one process (tests do).
 """
 
 from __future__ import annotations
@@ -144,6 +144,18 @@ class _EngineState(Collector):
              stats.prefix_cache_hits),
         ):
             counter = CounterMetricFamily(f"vllm:{name}", documentation,
+                                          labels=["model_name", "engine"])
+            counter.add_metric(self.labels, float(count))
+            yield counter
+        for name, documentation, count in (
+            ("structured_outputs_grammar_cache_hits",
+             "Structured-output constraints whose compiled grammar came from the cache.",
+             stats.grammar_cache_hits),
+            ("structured_outputs_grammar_cache_misses",
+             "Structured-output constraints compiled (not found in the grammar cache).",
+             stats.grammar_cache_misses),
+        ):
+            counter = CounterMetricFamily(f"triollm:{name}", documentation,
                                           labels=["model_name", "engine"])
             counter.add_metric(self.labels, float(count))
             yield counter

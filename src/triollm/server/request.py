@@ -84,6 +84,9 @@ class GenerationRequest:
     ttft_slo: float | None = None
     lora_request: LoRARequest | None = None
     trace_headers: Mapping[str, str] | None = None
+    #: The body field of the output's constraint, as the client wrote it (the engine's
+    #: complaint about the constraint names it); None: no constraint.
+    constraint_field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,10 +113,12 @@ def request_id_for(request: Request, body: _NamesItsId, prefix: str) -> str:
 
 async def generation_request(state: ServerState, request: Request, body: SamplingRequest,
                              prompts: Sequence[PromptType], params: SamplingParams,
-                             request_id: str, reply: ReplyOptions) -> GenerationRequest:
+                             request_id: str, reply: ReplyOptions,
+                             constraint_field: str | None = None) -> GenerationRequest:
     """The request ``body`` makes of ``prompts``: each tokenized (in a worker thread)
     and checked against the limits (400s naming the field); a 503 while the server
-    shuts down."""
+    shuts down. ``constraint_field`` names the body field of ``params``' structured
+    output."""
     state.require_accepting()
     check_sizes(state, params)
     special = body.add_special_tokens if isinstance(body, CompletionRequest) else True
@@ -126,7 +131,8 @@ async def generation_request(state: ServerState, request: Request, body: Samplin
         prompts=ready, params=params, stream=body.stream, reply=reply,
         priority=body.priority, is_latency_sensitive=body.latency_sensitive, slo=body.slo,
         ttft_slo=body.ttft_slo, lora_request=state.lora_for(body.model),
-        trace_headers=trace_headers_from(request.headers))
+        trace_headers=trace_headers_from(request.headers),
+        constraint_field=constraint_field)
 
 
 def encode_request(state: ServerState, request: Request, body: PoolingFields,

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from triollm.server.protocol.base import ChatMessage, CheckedRequest
+from triollm.server.protocol.structured import Constraint, text_format_constraint
 
 __all__ = ["ResponsesRequest"]
 
@@ -44,10 +45,11 @@ class ResponsesRequest(CheckedRequest):
             raise ValueError("tool_choice: this server has no tool-call parser")
         if self.reasoning:
             raise ValueError("reasoning: this server has no reasoning parser")
-        kind = ((self.text or {}).get("format") or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"text.format: type {kind!r} is not supported (no structured "
-                             f"output); only 'text' is")
+
+    def structured_output(self) -> Constraint | None:
+        """The constraint ``text.format`` asks for (None: free text); ``ValueError``
+        naming the field."""
+        return text_format_constraint(self.text)
 
     def messages(self) -> list[ChatMessage]:
         """The input as chat messages (``instructions`` first, as a system message)."""

@@ -12,6 +12,7 @@ from triollm.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, Sampl
 from triollm.server.body_text import string_list_problem as bounded_list_problem
 from triollm.server.limits import MAX_N, MAX_STRING_LIST_CHARS, MAX_STRING_LIST_ITEMS
 from triollm.server.protocol.base import CheckedRequest, StreamOptions
+from triollm.server.protocol.structured import Constraint, StructuredOutputFields
 
 __all__ = ["SamplingRequest", "string_list_problem"]
 
@@ -23,8 +24,9 @@ def string_list_problem(value: object) -> str | None:
     return bounded_list_problem(value, MAX_STRING_LIST_ITEMS, MAX_STRING_LIST_CHARS)
 
 
-class SamplingRequest(CheckedRequest):
-    """The sampling fields shared by completions and chat, with vLLM's extras."""
+class SamplingRequest(StructuredOutputFields, CheckedRequest):
+    """The sampling fields shared by completions and chat, with vLLM's extras and the
+    structured-output fields (``StructuredOutputFields``)."""
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -67,36 +69,20 @@ class SamplingRequest(CheckedRequest):
     #: vLLM's field: the prompt's and each choice's token ids in the reply (streamed:
     #: the prompt's in the first event, each event's new tokens in it).
     return_token_ids: bool = False
-    # Structured output (OpenAI's response_format, vLLM's guided_* and
-    # structured_outputs) is not implemented. These are refused rather than ignored: a
-    # client that asked for JSON would otherwise get free text it then fails to parse.
-    response_format: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
 
     def check_supported(self) -> None:
         """Raise ``ValueError`` naming the first field that asks for what this server
         does not do."""
-        if self.response_format is not None:
-            kind = self.response_format.get("type")
-            if kind != "text":
-                raise ValueError(f"response_format: type {kind!r} is not supported (this "
-                                 f"server has no structured output); only 'text' is")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs"):
-            if getattr(self, name) not in (None, "", {}, []):
-                raise ValueError(f"{name}: guided decoding is not supported by this server")
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                        defaults: Mapping[str, Any] | None = None,
+                        structured: Constraint | None = None) -> SamplingParams:
         """``SamplingParams`` for this request (raises ``ValueError`` naming the field).
         The request's own ``prompt_logprobs`` wins over the one its endpoint derives.
         Fields the request leaves out take ``defaults`` (the model's generation config)
-        and then vLLM's neutral values."""
+        and then vLLM's neutral values. ``structured`` is the output's constraint
+        (``structured_output()``)."""
         if self.prompt_logprobs is not None:
             if self.stream:
                 raise ValueError("prompt_logprobs: not available when stream is true")
@@ -132,6 +118,7 @@ class SamplingRequest(CheckedRequest):
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             bad_words=self.bad_words,
+            structured_outputs=None if structured is None else structured.params,
             output_kind=RequestOutputKind.DELTA if self.stream
             else RequestOutputKind.FINAL_ONLY,
         )

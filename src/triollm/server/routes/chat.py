@@ -55,10 +55,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         documents=body.documents, chat_template_kwargs=body.chat_template_kwargs))
     top = body.top_logprobs or 0
     try:
+        constraint = body.structured_output(state.engine.config.structured_outputs.backend)
         params = body.sampling_params(
             max_tokens=body.max_completion_tokens or body.max_tokens,
             logprobs=top if body.logprobs else None,
-            defaults=state.engine.config.model.generation_defaults)
+            defaults=state.engine.config.model.generation_defaults, structured=constraint)
     except ValueError as error:
         raise bad_request(error) from error
     include_usage, continuous_usage = usage_options(body)
@@ -69,7 +70,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         return_token_ids=body.return_token_ids, tokens_as_ids=state.tokens_as_ids(body),
         include_usage=include_usage, continuous_usage=continuous_usage)
     work = await generation_request(state, request, body, [{"prompt_token_ids": token_ids}], params,
-                              request_id_for(request, body, "chatcmpl"), reply)
+                              request_id_for(request, body, "chatcmpl"), reply,
+                              constraint.field if constraint else None)
     return await respond(state.engine, work, _events, _reply)
 
 

@@ -43,10 +43,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     model = state.check_request(body)
     prompts = _prompts_of(body.prompt)
     try:
+        constraint = body.structured_output(state.engine.config.structured_outputs.backend)
         params = body.sampling_params(
             max_tokens=body.max_tokens, logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None
-            else None, defaults=state.engine.config.model.generation_defaults)
+            else None, defaults=state.engine.config.model.generation_defaults,
+            structured=constraint)
     except ValueError as error:
         raise bad_request(error) from error
     include_usage, continuous_usage = usage_options(body)
@@ -56,7 +58,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         return_token_ids=body.return_token_ids, tokens_as_ids=state.tokens_as_ids(body),
         include_usage=include_usage, continuous_usage=continuous_usage)
     work = await generation_request(state, request, body, prompts, params,
-                              request_id_for(request, body, "cmpl"), reply)
+                              request_id_for(request, body, "cmpl"), reply,
+                              constraint.field if constraint else None)
     tokenizer = state.engine.tokenizer
     return await respond(state.engine, work, functools.partial(_events, tokenizer),
                          functools.partial(_reply, tokenizer))

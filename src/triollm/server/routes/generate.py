@@ -1,12 +1,15 @@
 """vLLM's minimal ``/generate`` (the seed's api_server): a prompt and sampling
-parameters in, the texts out, or a NUL-delimited stream of them."""
+parameters in (``structured_outputs`` as vLLM's object), the texts out, or a
+NUL-delimited stream of them."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from triollm.engine.tracing import trace_headers_from
 from triollm.request_ids import engine_request_id, random_request_id
@@ -20,6 +23,7 @@ from triollm.server.generation import open_streams, outputs
 from triollm.server.limits import MAX_N
 from triollm.server.protocol import GenerateRequest
 from triollm.server.protocol.sampling import string_list_problem
+from triollm.server.protocol.structured import Constraint, StructuredOutputFields
 from triollm.server.request import (
     GenerationRequest,
     ReplyOptions,
@@ -48,6 +52,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         problem = string_list_problem(extra.get(name))
         if problem is not None:
             raise OpenAIError(400, f"{name}: {problem}", param=name)
+    constraint = _constraint(extra, state.engine.config.structured_outputs.backend)
+    if constraint is not None:
+        extra["structured_outputs"] = constraint.params
     try:
         params = SamplingParams(**extra)
     except TypeError as error:
@@ -66,7 +73,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         params=params, stream=body.stream,
         reply=ReplyOptions(model=state.settings.served_model_names[0],
                            created=int(time.time())),
-        trace_headers=trace_headers_from(request.headers))
+        trace_headers=trace_headers_from(request.headers),
+        constraint_field=constraint.field if constraint else None)
     if work.stream:
         return NullDelimitedStream(state.engine, work)
     # CUMULATIVE outputs carry the samples that changed: the reply is each one's last.
@@ -75,3 +83,19 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         async for output in outputs(item):
             texts.update((c.index, c.text) for c in output.outputs)
     return JSONResponse({"text": [body.prompt + texts[i] for i in sorted(texts)]})
+
+
+def _constraint(extra: dict[str, Any], backend: str) -> Constraint | None:
+    """The body's ``structured_outputs`` object (vLLM's keys) as the request's
+    constraint; a 400 naming the field."""
+    box = extra.pop("structured_outputs", None)
+    if box is None:
+        return None
+    try:
+        return StructuredOutputFields(structured_outputs=box).structured_output(backend)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        where = ".".join(str(p) for p in problem["loc"])
+        raise OpenAIError(400, f"{where}: {problem['msg']}", param=where) from None
+    except ValueError as error:
+        raise bad_request(error) from error

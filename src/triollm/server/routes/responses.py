@@ -3,8 +3,9 @@
 The input (a string, or messages whose content is text) goes through the chat
 template as a chat request would; ``instructions`` become a system message. Streamed,
 the reply is OpenAI's event sequence (``response.created`` ... ``response.output_text
-.delta`` ... ``response.completed``). What needs server-side state or tools
-(``previous_response_id``, ``store``, ``tools``, reasoning) is refused by name.
+.delta`` ... ``response.completed``). ``text.format`` (``json_schema``, ``json_object``)
+constrains the output as chat's ``response_format`` does. What needs server-side state
+or tools (``previous_response_id``, ``store``, ``tools``, reasoning) is refused by name.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     state.require_generation()
     try:
         body.check_supported()
+        constraint = body.structured_output()
         chat = ChatCompletionRequest(model=body.model, messages=body.messages(),
                                      max_completion_tokens=body.max_output_tokens,
                                      temperature=body.temperature, top_p=body.top_p,
@@ -54,15 +56,18 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     token_ids = await state.render_chat_or_400(chat.messages, ChatRendering())
     try:
         params = chat.sampling_params(max_tokens=body.max_output_tokens, logprobs=None,
-                                      defaults=state.engine.config.model.generation_defaults)
+                                      defaults=state.engine.config.model.generation_defaults,
+                                      structured=constraint)
     except ValueError as error:
         raise bad_request(error) from error
     response_id = remember_request_id(request, random_request_id("resp"))
     work = await generation_request(state, request, chat, [{"prompt_token_ids": token_ids}],
                               params, response_id,
-                              ReplyOptions(model=model, created=int(time.time())))
+                              ReplyOptions(model=model, created=int(time.time())),
+                              constraint.field if constraint else None)
+    text_format = (body.text or {}).get("format") or {"type": "text"}
     shape = _Shape(random_request_id("msg"), body.instructions, body.metadata or {},
-                   body.max_output_tokens)
+                   body.max_output_tokens, text_format)
     return await respond(state.engine, work, functools.partial(_events, shape),
                          functools.partial(_reply, shape))
 
@@ -75,6 +80,8 @@ class _Shape:
     instructions: str | None
     metadata: dict[str, str]
     max_output_tokens: int | None
+    #: The request's ``text.format``, repeated in the reply's ``text``.
+    text_format: dict[str, Any]
 
     def response(self, request: GenerationRequest, status: str, text: str,
                  prompt_tokens: int, output_tokens: int, finish_reason: str | None
@@ -91,7 +98,7 @@ class _Shape:
             "max_output_tokens": self.max_output_tokens,
             "temperature": request.params.temperature, "top_p": request.params.top_p,
             "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
-            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "text": {"format": self.text_format}, "truncation": "disabled",
             "output": [] if status == "in_progress" else [self.message(status, text)],
             "usage": None if status == "in_progress" else {
                 "input_tokens": prompt_tokens, "output_tokens": output_tokens,
