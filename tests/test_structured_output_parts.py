@@ -103,24 +103,27 @@ def test_json_options_close_objects_and_drop_whitespace(tokenizer: Any, backend:
     assert not walk(tokenizer, compact, '{  "a": 1}')[0]
 
 
-def test_auto_falls_back_to_guidance_for_what_xgrammar_does_not_take(tokenizer: Any) -> None:
+def test_auto_prefers_guidance_and_falls_back_to_xgrammar(tokenizer: Any) -> None:
     lark = compiler(tokenizer).compile(StructuredOutputsParams(grammar='start: "a"+'))[0]
     assert lark.backend == "guidance"
-    pattern = compiler(tokenizer).compile(StructuredOutputsParams(
-        json={"type": "array"}, whitespace_pattern=r"[ ]?"))[0]
-    assert pattern.backend == "guidance"
     plain = compiler(tokenizer).compile(StructuredOutputsParams(regex="a+"))[0]
-    assert plain.backend == ("xgrammar" if HAS_XGRAMMAR else "guidance")
+    assert plain.backend == "guidance"
+    # llguidance refuses uniqueItems; xgrammar compiles it (without enforcing it)
+    unique = StructuredOutputsParams(json={"type": "array", "uniqueItems": True})
+    if HAS_XGRAMMAR:
+        assert compiler(tokenizer).compile(unique)[0].backend == "xgrammar"
+    else:
+        with pytest.raises(ValueError, match=r"^structured_outputs\.json: guidance: "):
+            compiler(tokenizer).compile(unique)
 
 
 @pytest.mark.skipif(not HAS_XGRAMMAR, reason="xgrammar is not installed")
 def test_disable_fallback_refuses_what_the_first_backend_cannot_take(tokenizer: Any) -> None:
-    with pytest.raises(ValueError, match=r"^structured_outputs\.grammar: xgrammar: .*Lark"):
-        compiler(tokenizer).compile(StructuredOutputsParams(grammar='start: "a"+',
-                                                            disable_fallback=True))
-    with pytest.raises(ValueError, match=r"^structured_outputs\.grammar: xgrammar: "):
-        compiler(tokenizer, disable_fallback=True).compile(
-            StructuredOutputsParams(grammar='start: "a"+'))
+    unique = {"type": "array", "uniqueItems": True}
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json: guidance: "):
+        compiler(tokenizer).compile(StructuredOutputsParams(json=unique, disable_fallback=True))
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json: guidance: "):
+        compiler(tokenizer, disable_fallback=True).compile(StructuredOutputsParams(json=unique))
 
 
 def test_the_cache_is_keyed_by_the_constraint_and_bounded(tokenizer: Any) -> None:

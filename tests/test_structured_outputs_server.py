@@ -56,11 +56,9 @@ LONG: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def server(llama_path: Path) -> Iterator[ThreadedServer]:
-    # guidance, not auto: xgrammar (auto's first choice) lets a JSON string hold raw
-    # control characters, which no JSON parser accepts
     args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=384,
                            num_gpu_blocks_override=KV_BLOCKS, max_num_seqs=8,
-                           structured_outputs_config={"backend": "guidance",
+                           structured_outputs_config={"backend": "auto",
                                                       "disable_any_whitespace": True},
                            disable_log_requests=True)
     engine = AsyncLLMEngine.from_engine_args(args)

@@ -177,7 +177,7 @@ class StructuredOutputsConfig:
     constraints, its options, and the reasoning parser whose end of reasoning the
     constraints wait for."""
 
-    #: ``auto`` (xgrammar where installed and able, else llguidance), ``xgrammar`` or
+    #: ``auto`` (llguidance, else xgrammar where installed and able), ``xgrammar`` or
     #: ``guidance``.
     backend: str = "auto"
     #: Refuse a constraint the chosen backend cannot compile instead of trying the other.

@@ -1,8 +1,8 @@
 """``GrammarCompiler``: one engine's constraints compiled once, cached, counted.
 
-It chooses the backend (``StructuredOutputsConfig.backend``: ``auto`` tries xgrammar
-where it is installed and takes the constraint, then llguidance; ``disable_fallback``
-refuses instead of trying the other), builds each backend's tokenizer data once (on the
+It chooses the backend (``StructuredOutputsConfig.backend``: ``auto`` tries llguidance,
+then xgrammar where it is installed; ``disable_fallback`` refuses instead of trying the
+other), builds each backend's tokenizer data once (on the
 first constraint it compiles), and keeps the compiled grammars in an LRU keyed by the
 constraint's ``cache_key()`` and the backend. Thread-safe: the async engine compiles in
 worker threads. An invalid constraint raises ``ValueError`` naming its field.
@@ -80,8 +80,11 @@ class GrammarCompiler:
     def candidates(self) -> tuple[str, ...]:
         """The backends tried, in order."""
         if self.config.backend == "auto":
+            # llguidance first, unlike vLLM's auto: xgrammar 0.2.8 lets raw control
+            # characters into JSON strings with length bounds (invalid JSON), llguidance
+            # never does; xgrammar then takes what llguidance cannot compile.
             if importlib.util.find_spec("xgrammar") is not None:
-                return ("xgrammar", "guidance")
+                return ("guidance", "xgrammar")
             return ("guidance",)
         return (self.config.backend,)
 
@@ -111,7 +114,7 @@ class GrammarCompiler:
             try:
                 grammar = self._backend(name).compile(params, options)
             except ValueError as error:  # UnsupportedConstraint included
-                # auto: what xgrammar cannot compile llguidance may take (vLLM's fallback)
+                # auto: what one backend cannot compile the other may take
                 errors.append(f"{name}: {error}")
             else:
                 with self._lock:
