@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 import sys
@@ -47,6 +48,8 @@ __all__ = [
     "normalize_argv",
     "server_options_from_namespace",
 ]
+
+logger = logging.getLogger(__name__)
 
 _HELP = {
     "model": "model directory or hub id (default: the built-in demo model, random weights)",
@@ -111,6 +114,9 @@ _HELP = {
                             "or http/protobuf; needs pip install 'triollm[tracing]')",
     "collect_detailed_traces": "add model forward (model) and model runner (worker) time "
                                "to each span: model, worker or all",
+    "reasoning_parser": "split chat answers' reasoning into reasoning_content (deepseek_r1, "
+                        "qwen3, ...); structured outputs apply after it",
+    "reasoning_parser_plugin": "a Python file that registers more reasoning parsers",
     "pooler_config": 'overrides of the model\'s pooling as JSON: pooling_type (MEAN, CLS, '
                      'LAST), use_activation (normalize), dimensions '
                      '(e.g. \'{"pooling_type": "MEAN"}\')',
@@ -222,6 +228,21 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
     if level == "trace":  # uvicorn's level below debug; Python logging has none
         level = "debug"
     keys = namespace.api_key
+    if namespace.tool_parser_plugin:
+        from triollm.tool_parsers import ToolParserManager
+
+        try:
+            ToolParserManager.import_tool_parser(namespace.tool_parser_plugin)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"--tool-parser-plugin: {error}") from None
+    from triollm.server.chat_parsing import check_tool_flags
+
+    check_tool_flags(namespace.enable_auto_tool_choice, namespace.tool_call_parser)
+    if namespace.enable_reasoning:
+        if not getattr(namespace, "reasoning_parser", None):
+            raise ValueError("--enable-reasoning requires --reasoning-parser")
+        logger.warning("--enable-reasoning is deprecated: reasoning is split whenever "
+                       "--reasoning-parser is given")
     return ServerOptions(
         host=namespace.host or "0.0.0.0", port=namespace.port, uds=namespace.uds,
         api_key=tuple(keys) if keys else None,
@@ -242,7 +263,9 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
             allowed_methods=tuple(namespace.allowed_methods),
             allowed_headers=tuple(namespace.allowed_headers)),
         log_stats_interval=None if namespace.disable_log_stats else 10.0,
-        lora_modules=tuple(namespace.lora_modules), **connection_options(namespace))
+        lora_modules=tuple(namespace.lora_modules),
+        enable_auto_tool_choice=namespace.enable_auto_tool_choice,
+        tool_call_parser=namespace.tool_call_parser, **connection_options(namespace))
 
 
 def _json_list(text: str) -> list[str]:
@@ -344,6 +367,17 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
                         help="LoRA adapters served under their own model names, each "
                              "name=path or JSON {\"name\": ..., \"path\": ..., "
                              "\"base_model_name\": ...} (needs --enable-lora)")
+    tools = serve.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction,
+                       default=False, help='read tool calls out of answers for tool_choice '
+                       '"auto" (needs --tool-call-parser)')
+    tools.add_argument("--tool-call-parser", default=None,
+                       help="hermes, llama3_json, mistral, pythonic, qwen3_coder, ... or one "
+                            "a --tool-parser-plugin registers")
+    tools.add_argument("--tool-parser-plugin", default=None,
+                       help="a Python file that registers more tool parsers")
+    tools.add_argument("--enable-reasoning", action=argparse.BooleanOptionalAction,
+                       default=False, help=argparse.SUPPRESS)
     server.add_argument("--config", default=None,
                         help="a YAML file of flags (keys are flag names without --); flags "
                              "on the command line win")

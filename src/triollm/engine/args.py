@@ -17,6 +17,7 @@ from triollm.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from triollm.engine.resolve import (
     fail,
@@ -27,6 +28,7 @@ from triollm.engine.resolve import (
     resolve_device,
     resolve_dtype,
     resolve_max_model_len,
+    resolve_reasoning_parser,
     resolve_runner,
 )
 
@@ -109,10 +111,18 @@ class EngineArgs:
     #: Extra timings on each span: ``model``, ``worker`` or ``all`` (a list, or one
     #: comma-separated string).
     collect_detailed_traces: list[str] | str | None = None
+    #: vLLM's --reasoning-parser: a name in ``ReasoningParserManager``. The server
+    #: splits the reasoning out of chat answers, and structured outputs apply once it
+    #: has ended.
+    reasoning_parser: str | None = None
+    #: vLLM's --reasoning-parser-plugin: a Python file that registers more parsers.
+    reasoning_parser_plugin: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
         self._validate_ranges()
+        reasoning_parser = resolve_reasoning_parser(self.reasoning_parser,
+                                                    self.reasoning_parser_plugin)
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         # Imported here so that building arguments (``triollm serve --help``) does not
@@ -201,7 +211,9 @@ class EngineArgs:
                                 target_modules=self.lora_target_modules, runner=runner,
                                 device=device, dtype=dtype),
                             observability=observability_config(
-                                self.otlp_traces_endpoint, self.collect_detailed_traces))
+                                self.otlp_traces_endpoint, self.collect_detailed_traces),
+                            structured_outputs=StructuredOutputsConfig(
+                                reasoning_parser=reasoning_parser))
 
     def _validate_ranges(self) -> None:
         def positive_int(name: str, value: object) -> None:
