@@ -117,6 +117,10 @@ _HELP = {
     "reasoning_parser": "split chat answers' reasoning into reasoning_content (deepseek_r1, "
                         "qwen3, ...); structured outputs apply after it",
     "reasoning_parser_plugin": "a Python file that registers more reasoning parsers",
+    "structured_outputs_config": 'structured outputs as JSON: backend (auto, xgrammar, '
+                                 'guidance), disable_fallback, disable_any_whitespace, '
+                                 'disable_additional_properties, reasoning_parser, '
+                                 'enable_in_reasoning',
     "pooler_config": 'overrides of the model\'s pooling as JSON: pooling_type (MEAN, CLS, '
                      'LAST), use_activation (normalize), dimensions '
                      '(e.g. \'{"pooling_type": "MEAN"}\')',

@@ -160,7 +160,7 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
               "--prefix-cache-retention-interval", "--prefix-caching-hash-algo",
               "--prefix-match-unit", "--kv-cache-memory-bytes", "--renderer-num-workers",
               "--additional-config", "--aux-output-config", "--diffusion-config",
-              "--engram-config", "--profiler-config", "--structured-outputs-config",
+              "--engram-config", "--profiler-config",
               "--weight-transfer-config"),
     **_lists(_NOT_IMPLEMENTED, "--ignore-patterns", "--logits-processors",
              "--sleep-preserve-parameter-names", "--middleware"),

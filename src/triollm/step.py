@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 from triollm.lora.request import LoRARequest
 from triollm.pooling_params import PoolingParams
 from triollm.sampling_params import SamplingParams
+from triollm.structured_output.grammar import StructuredOutputRequest
 
 __all__ = ["PENDING_TOKEN", "LoRAModelRunner", "ModelRunner", "RunnerOutput", "ScheduledRequest",
            "SchedulerOutput", "TokenLogprobs", "fill_pending_tokens"]
@@ -44,6 +45,8 @@ class ScheduledRequest:
     pooling_params: PoolingParams | None = None
     #: The LoRA adapter this request's tokens run through (None: the base model).
     lora_request: LoRARequest | None = None
+    #: The compiled constraint the sampled tokens must follow (None: unconstrained).
+    structured_output: StructuredOutputRequest | None = None
 
     @property
     def num_tokens(self) -> int:

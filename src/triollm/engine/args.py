@@ -7,6 +7,7 @@ in ``triollm.config``, which stays free of transformers).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from triollm.engine.resolve import (
     resolve_max_model_len,
     resolve_reasoning_parser,
     resolve_runner,
+    structured_outputs_config,
 )
 
 __all__ = ["DEFAULT_OPTIMIZATION_LEVEL", "AsyncEngineArgs", "EngineArgs"]
@@ -111,6 +113,10 @@ class EngineArgs:
     #: Extra timings on each span: ``model``, ``worker`` or ``all`` (a list, or one
     #: comma-separated string).
     collect_detailed_traces: list[str] | str | None = None
+    #: Structured outputs: the grammar backend (``auto``, ``xgrammar``, ``guidance``)
+    #: and its options, as a ``StructuredOutputsConfig``, a dict of its fields or their
+    #: JSON (vLLM's ``--structured-outputs-config``).
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
     #: vLLM's --reasoning-parser: a name in ``ReasoningParserManager``. The server
     #: splits the reasoning out of chat answers, and structured outputs apply once it
     #: has ended.
@@ -121,8 +127,10 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
         self._validate_ranges()
-        reasoning_parser = resolve_reasoning_parser(self.reasoning_parser,
-                                                    self.reasoning_parser_plugin)
+        structured = structured_outputs_config(self.structured_outputs_config)
+        reasoning_parser = resolve_reasoning_parser(
+            self.reasoning_parser or structured.reasoning_parser, self.reasoning_parser_plugin)
+        structured = dataclasses.replace(structured, reasoning_parser=reasoning_parser)
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         # Imported here so that building arguments (``triollm serve --help``) does not
@@ -212,8 +220,7 @@ class EngineArgs:
                                 device=device, dtype=dtype),
                             observability=observability_config(
                                 self.otlp_traces_endpoint, self.collect_detailed_traces),
-                            structured_outputs=StructuredOutputsConfig(
-                                reasoning_parser=reasoning_parser))
+                            structured_outputs=structured)
 
     def _validate_ranges(self) -> None:
         def positive_int(name: str, value: object) -> None:

@@ -89,6 +89,7 @@ class AsyncEngineAPI:
         if core is None:
             return EngineStatistics(0, 0, 0, 0, len(self._channels), 0, self._num_steps)
         stats = core.statistics()
+        grammars = core.grammar_cache_statistics()
         return EngineStatistics(
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
@@ -99,6 +100,8 @@ class AsyncEngineAPI:
             num_steps=self._num_steps,
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
+            grammar_cache_hits=grammars.hits,
+            grammar_cache_misses=grammars.misses,
         )
 
     def _record_stats(self) -> None:
@@ -144,8 +147,8 @@ class AsyncEngineAPI:
         return self.tokenizer
 
     async def get_decoding_config(self) -> DecodingConfig:
-        """vLLM's structured-output settings: this engine has no guided decoding."""
-        return DecodingConfig()
+        """vLLM's structured-output settings (``structured_outputs_config``)."""
+        return self.config.structured_outputs
 
     async def get_parallel_config(self) -> ParallelConfig:
         """One model on one device in one process."""

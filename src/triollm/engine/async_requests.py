@@ -23,6 +23,7 @@ from triollm.lora.request import LoRARequest
 from triollm.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from triollm.pooling_params import PoolingParams
 from triollm.sampling_params import SamplingParams
+from triollm.structured_output.grammar import CompiledGrammar
 
 __all__ = ["AsyncEngineRequests"]
 
@@ -87,9 +88,10 @@ class AsyncEngineRequests(AsyncEngineAPI):
         trace_headers = self._trace_headers(trace_headers)
         if lora_request is not None:
             await self._ensure_lora(lora_request)
+        grammar = await self._compile_grammar(sampling_params, request_id)
         channel = self._add_request(prompt, sampling_params, request_id, priority,
                                     is_latency_sensitive, slo, ttft_slo, lora_request,
-                                    trace_headers)
+                                    trace_headers, grammar)
         async with aclosing(self._stream(channel)) as stream:
             async for output in stream:
                 assert isinstance(output, RequestOutput)
@@ -159,13 +161,25 @@ class AsyncEngineRequests(AsyncEngineAPI):
             if not finished:
                 self._abort_now(channel)
 
+    async def _compile_grammar(self, params: SamplingParams, request_id: str
+                               ) -> CompiledGrammar | None:
+        """A request's constraint compiled in a worker thread, off the event loop (a
+        large schema takes a while); ``ValueError`` naming the field if it is invalid."""
+        core = self._core
+        if (core is None or not isinstance(params, SamplingParams)
+                or params.structured_outputs is None):
+            return None
+        return await anyio.to_thread.run_sync(core.compile_structured_outputs, params,
+                                              request_id)
+
     def _add_request(self, prompt: PromptType, params: SamplingParams | PoolingParams,
                      request_id: str,
                      priority: int, is_latency_sensitive: bool = False,
                      slo: float | None = None,
                      ttft_slo: float | None = None,
                      lora_request: LoRARequest | None = None,
-                     trace_headers: Mapping[str, str] | None = None) -> RequestChannel:
+                     trace_headers: Mapping[str, str] | None = None,
+                     grammar: CompiledGrammar | None = None) -> RequestChannel:
         self._raise_if_dead()
         core = self._core
         if not self._running or core is None:
@@ -176,7 +190,7 @@ class AsyncEngineRequests(AsyncEngineAPI):
         engine_id = core.add_request(request_id, prompt, params, priority=priority,
                                      is_latency_sensitive=is_latency_sensitive, slo=slo,
                                      ttft_slo=ttft_slo, lora_request=lora_request,
-                                     trace_headers=trace_headers)
+                                     trace_headers=trace_headers, grammar=grammar)
         channel = self._channels.open(request_id, params.output_kind, engine_id)
         if self.log_requests:
             self._log_request(request_id, prompt, params)

@@ -38,6 +38,9 @@ from triollm.pooling_params import PoolingParams
 from triollm.request_ids import IdSequence
 from triollm.sampling_params import SamplingParams
 from triollm.step import ModelRunner, RunnerOutput, ScheduledRequest, SchedulerOutput
+from triollm.structured_output.compiler import GrammarCacheStatistics
+from triollm.structured_output.grammar import CompiledGrammar
+from triollm.structured_output.manager import StructuredOutputManager
 
 __all__ = ["EngineCore", "RequestFailure"]
 
@@ -74,6 +77,12 @@ class EngineCore:
         self.max_model_len = self.intake.max_model_len
         self.max_logprobs = self.intake.max_logprobs
         self.eos_token_ids = self.output_processor.eos_token_ids
+        runner_vocab = getattr(runner, "vocab_size", None)
+        #: Structured outputs: compiles constraints (thread-safe), counts its cache.
+        self.structured_outputs = StructuredOutputManager(
+            config.structured_outputs, tokenizer,
+            runner_vocab if isinstance(runner_vocab, int) else self.vocab_size,
+            self.eos_token_ids)
         self.requests = RequestRegistry()
         self._ids = IdSequence()
         self._failures: list[RequestFailure] = []
@@ -129,6 +138,7 @@ class EngineCore:
         ttft_slo: float | None = None,
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> str:
         """Validate and queue a request; returns its engine id. Raises ``ValueError``
         (and changes nothing) for a bad prompt, bad parameters or an id in flight.
@@ -140,21 +150,39 @@ class EngineCore:
         prompt runs in one step and its one output is the pooled result.
         ``lora_request`` runs it through a LoRA adapter, which ``add_lora`` loads first
         (the front-ends do it). ``trace_headers`` (W3C ``traceparent``/``tracestate``)
-        travel with the request to its finished statistics, for its trace span."""
+        travel with the request to its finished statistics, for its trace span.
+        A constraint (``structured_outputs``) is compiled here unless ``grammar`` is
+        its compiled form already (``compile_structured_outputs``, which the async
+        engine calls in a worker thread)."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id: must be a string, got {request_id!r}")
         if self.requests.in_flight(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         lora = None if lora_request is None else self.loras.lookup(lora_request)
+        if grammar is None and isinstance(params, SamplingParams):
+            grammar = self.compile_structured_outputs(params, request_id)
+        parser = None if grammar is None else self.structured_outputs.reasoning_parser()
         parent = self.intake.build(
             request_id, lambda: self._ids.next_id(request_id), prompt, params,
             arrival_time=arrival_time, priority=priority,
             is_latency_sensitive=is_latency_sensitive, slo=slo, ttft_slo=ttft_slo,
-            lora=lora, trace_headers=trace_headers)
+            lora=lora, trace_headers=trace_headers, grammar=grammar, reasoning_parser=parser)
         self.requests.add(parent)
         for child in parent.children:
             self.scheduler.add_request(child)
         return parent.engine_id
+
+    def compile_structured_outputs(self, params: SamplingParams,
+                                   request_id: str = "") -> CompiledGrammar | None:
+        """The compiled constraint of ``params`` (None without one), from the cache or
+        compiled now; ``ValueError`` naming the field if it is invalid. Thread-safe."""
+        if not isinstance(params, SamplingParams):
+            return None
+        return self.structured_outputs.compile(params, request_id)
+
+    def grammar_cache_statistics(self) -> GrammarCacheStatistics:
+        """Compiled-grammar cache hits and misses since the engine started."""
+        return self.structured_outputs.statistics()
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort requests by the callers' ids now; unknown or finished ids are ignored.

@@ -19,7 +19,10 @@ from triollm.engine.request import Request
 from triollm.engine.stop_strings import StopStrings
 from triollm.lora.request import LoRARequest
 from triollm.pooling_params import PoolingParams
+from triollm.reasoning.abstract import ReasoningParser
 from triollm.sampling_params import RequestOutputKind, SamplingParams
+from triollm.structured_output.grammar import CompiledGrammar, StructuredOutputRequest
+from triollm.structured_output.reasoning_gate import ReasoningGate
 
 __all__ = ["RequestIntake"]
 
@@ -42,9 +45,13 @@ class RequestIntake:
               params: SamplingParams | PoolingParams, *, arrival_time: float | None,
               priority: int, is_latency_sensitive: bool, slo: float | None,
               ttft_slo: float | None, lora: tuple[LoRARequest, int] | None,
-              trace_headers: Mapping[str, str] | None) -> ParentRequest:
+              trace_headers: Mapping[str, str] | None,
+              grammar: CompiledGrammar | None = None,
+              reasoning_parser: ReasoningParser | None = None) -> ParentRequest:
         """The request, its samples under ids from ``engine_id()`` (called once per id).
-        ``lora`` is the adapter as it was added, with its weights' version."""
+        ``lora`` is the adapter as it was added, with its weights' version; ``grammar``
+        the compiled constraint, applied once ``reasoning_parser`` (if any) sees the
+        reasoning end."""
         if isinstance(params, PoolingParams):
             self._check_scheduling(priority, slo, ttft_slo)
             return self._pooling(request_id, engine_id, prompt, params, arrival_time,
@@ -76,6 +83,9 @@ class RequestIntake:
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.output_processor.eos_token_ids
         adapter, lora_version = (None, 0) if lora is None else lora
+        structured = None if grammar is None else StructuredOutputRequest(
+            grammar, None if reasoning_parser is None
+            else ReasoningGate(reasoning_parser, processed.token_ids))
         parent_id = engine_id()
         children = []
         stop = StopStrings(params.stop or ())  # one automaton for every sample
@@ -86,7 +96,8 @@ class RequestIntake:
                             priority=priority, index=index,
                             is_latency_sensitive=is_latency_sensitive, slo=slo,
                             ttft_slo=ttft_slo, cache_salt=processed.cache_salt,
-                            lora_request=adapter, lora_version=lora_version)
+                            lora_request=adapter, lora_version=lora_version,
+                            structured_output=structured)
             child.detokenizer = self.output_processor.make_detokenizer(
                 child_params, processed.token_ids, stop)
             children.append(child)

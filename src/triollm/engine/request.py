@@ -13,6 +13,7 @@ from triollm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from triollm.engine.detokenizer import IncrementalDetokenizer
     from triollm.lora.request import LoRARequest
+    from triollm.structured_output.grammar import StructuredOutputRequest
 
 __all__ = ["FinishReason", "Request", "RequestStatus"]
 
@@ -59,6 +60,7 @@ class Request:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         lora_version: int = 0,
+        structured_output: StructuredOutputRequest | None = None,
     ) -> None:
         self.request_id = request_id
         #: Prefix-cache blocks are shared only between requests with the same salt.
@@ -71,6 +73,8 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
+        #: The compiled constraint its output follows (structured outputs), if any.
+        self.structured_output = structured_output
         self.priority = priority
         self.index = index
         #: Co-serving: a latency-sensitive request, its target seconds per output token

@@ -8,12 +8,20 @@ transformers.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from triollm.config import LoRAConfig, ObservabilityConfig, PoolingTask, RunnerKind
+from triollm.config import (
+    LoRAConfig,
+    ObservabilityConfig,
+    PoolingTask,
+    RunnerKind,
+    StructuredOutputsConfig,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -305,6 +313,34 @@ def resolve_max_model_len(model: str, hf_config: PretrainedConfig, runner: Runne
             raise fail("max_model_len", f"{max_model_len} exceeds the model's context "
                        f"length {model_limit}")
     return max_model_len
+
+
+def structured_outputs_config(value: StructuredOutputsConfig | Mapping[str, Any] | str | None
+                              ) -> StructuredOutputsConfig:
+    """``structured_outputs_config``: the config itself, a dict of its fields, or their
+    JSON (``--structured-outputs-config``)."""
+    name = "structured_outputs_config"
+    if isinstance(value, StructuredOutputsConfig):
+        config = value
+    else:
+        fields = json_object(name, value)
+        known = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise fail(name, f"unknown field(s) {', '.join(unknown)} (known: "
+                       f"{', '.join(sorted(known))})")
+        config = StructuredOutputsConfig(**fields)
+    if config.backend not in ("auto", "xgrammar", "guidance"):
+        raise fail(name, f"backend must be auto, xgrammar or guidance, got {config.backend!r}")
+    if config.backend == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+        raise fail(name, "backend xgrammar is not installed (pip install 'triollm[xgrammar]')")
+    for flag in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                 "enable_in_reasoning"):
+        if not isinstance(getattr(config, flag), bool):
+            raise fail(name, f"{flag} must be true or false")
+    if config.reasoning_parser is not None and not isinstance(config.reasoning_parser, str):
+        raise fail(name, "reasoning_parser must be a parser's name")
+    return config
 
 
 def resolve_reasoning_parser(name: str | None, plugin: str | None) -> str | None:

@@ -336,6 +336,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
+            structured_output=request.structured_output,
         )
 
     def _detach(self, request: Request) -> None:

@@ -133,6 +133,10 @@ class EngineStatistics:
     #: Prompt tokens looked up in the prefix cache since start, and how many were found.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    #: Structured outputs: constraints whose compiled grammar came from the cache, and
+    #: constraints compiled, since start.
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

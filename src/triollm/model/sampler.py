@@ -1,7 +1,9 @@
 """Logits to tokens, batched in torch, with vLLM's sampling parameters.
 
 Order of operations (as vLLM): raw log-probabilities for the caller are taken from the
-model's logits before anything else; then min_tokens masks the stop tokens,
+model's logits before anything else; then a constrained row's grammar mask applies
+(structured outputs: every token its grammar forbids is masked), min_tokens masks the
+stop tokens,
 allowed_token_ids masks every other token, logit_bias is added, bad words are masked
 and penalties apply;
 greedy rows take the argmax and the rest are scaled by temperature, filtered by top-k,
@@ -18,6 +20,7 @@ import torch
 
 from triollm.sampling_params import SamplingParams
 from triollm.step import TokenLogprobs
+from triollm.structured_output.bitmask import GrammarMask, apply_bitmask
 
 __all__ = ["SamplingRow", "sample", "token_logprobs"]
 
@@ -31,18 +34,26 @@ class SamplingRow:
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
+    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None,
+    grammar_mask: GrammarMask | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row of ``logits`` (``[N, vocab]``)."""
+    """Pick one token per row of ``logits`` (``[N, vocab]``); ``grammar_mask`` holds
+    the allowed tokens of the rows under a grammar."""
     logits = logits.float()
     wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
 
     logits = logits.clone()
+    grammar_only = None
+    if grammar_mask is not None:
+        apply_bitmask(logits, grammar_mask.bitmask, grammar_mask.rows)
+        grammar_only = _keep_grammar_rows(logits, rows, grammar_mask.rows)
     _apply_min_tokens(logits, rows)
     _apply_allowed_tokens_and_bias(logits, rows)
     _apply_bad_words(logits, rows)
     _apply_penalties(logits, rows)
+    if grammar_only is not None:
+        _restore_grammar_rows(logits, *grammar_only)
 
     tokens = torch.argmax(logits, dim=-1)
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -78,6 +89,30 @@ def token_logprobs(row_logprobs: torch.Tensor, token_id: int, top_k: int | None)
         values += top_values.tolist()
         ranks += list(range(1, top_k + 1))
     return TokenLogprobs(token_ids=token_ids, logprobs=values, ranks=ranks)
+
+
+def _keep_grammar_rows(logits: torch.Tensor, rows: list[SamplingRow], grammar_rows: list[int]
+                       ) -> tuple[list[int], torch.Tensor] | None:
+    """The grammar-masked logits of the constrained rows that other masks could empty
+    (min_tokens, allowed_token_ids, bad words: e.g. a complete grammar allows only EOS,
+    which min_tokens forbids)."""
+    kept = [i for i in grammar_rows if _masks_more(rows[i])]
+    return (kept, logits[kept].clone()) if kept else None
+
+
+def _masks_more(row: SamplingRow) -> bool:
+    params = row.params
+    return (params.allowed_token_ids is not None or bool(params.bad_words_token_ids)
+            or len(row.output_token_ids) < params.min_tokens)
+
+
+def _restore_grammar_rows(logits: torch.Tensor, kept: list[int], saved: torch.Tensor) -> None:
+    """A constrained row that the other masks left without any token takes its grammar's
+    mask alone: the grammar wins."""
+    emptied = torch.isneginf(logits[kept]).all(dim=-1).tolist()
+    for j, i in enumerate(kept):
+        if emptied[j]:
+            logits[i] = saved[j]
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -1,7 +1,8 @@
 """The torch model runner: one forward per engine step over a flattened batch.
 
 It owns the transformers model, the paged KV cache and the per-request sampling state
-(seeded generators, token history for penalties). Its set-up (setup.py: CPU
+(seeded generators, token history for penalties, the grammar matcher of a constrained
+request, whose next allowed tokens are computed while the forward runs). Its set-up (setup.py: CPU
 preparation, profiling, KV sizing; compile.py: the decode attention and the compiled
 model) runs in the constructor; a step prepares the flattened batch (batch.py), runs
 the forward, samples, and computes prompt log-probabilities where asked.
@@ -31,6 +32,8 @@ from triollm.model.runners.compile import DummyDecodes, choose_decode_attention,
 from triollm.model.runners.setup import num_kv_blocks, prepare_for_cpu, profile_kv_specs
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from triollm.structured_output.bitmask import GrammarMask
+from triollm.structured_output.matchers import MaskFiller, PendingMask, SampleGrammar
 
 if TYPE_CHECKING:
     from triollm.lora.request import LoRARequest
@@ -45,6 +48,8 @@ class _RequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    #: Structured outputs: the sample's matcher (None: unconstrained).
+    grammar: SampleGrammar | None = None
 
 
 class TorchModelRunner:
@@ -86,6 +91,7 @@ class TorchModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_config.seed)
         self._requests: dict[str, _RequestState] = {}
+        self.mask_filler = MaskFiller(self.vocab_size, self.device)
 
         def profile() -> dict[int, KVCacheSpec]:
             return profile_kv_specs(self.model, config)
@@ -143,6 +149,9 @@ class TorchModelRunner:
         if not items:
             return RunnerOutput(failed=failed)
 
+        masks = self.mask_filler.start([
+            (row, grammar) for row, item in enumerate(i for i in items if i.sample)
+            if (grammar := self._requests[item.request_id].grammar) is not None])
         batch = prepare_batch(items, self.kv_cache, self.decode_attention, self.device)
         forward_started = time.perf_counter()
         try:
@@ -154,7 +163,7 @@ class TorchModelRunner:
             if self.lora is not None:
                 self.lora.end_step()
         forward_seconds = time.perf_counter() - forward_started
-        output = self._sample(items, logits, batch.keep_owner)
+        output = self._sample(items, logits, batch.keep_owner, masks)
         output.failed.update(failed)
         return dataclasses.replace(output, forward_seconds=forward_seconds,
                                    execute_seconds=time.perf_counter() - started)
@@ -199,10 +208,12 @@ class TorchModelRunner:
         if item.sampling.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(item.sampling.seed)
-        return _RequestState(item.prompt_token_ids, [], generator)
+        grammar = (None if item.structured_output is None
+                   else SampleGrammar(item.structured_output))
+        return _RequestState(item.prompt_token_ids, [], generator, grammar)
 
     def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
-                keep_owner: list[int]) -> RunnerOutput:
+                keep_owner: list[int], masks: PendingMask) -> RunnerOutput:
         last_row: dict[int, int] = {}
         first_row: dict[int, int] = {}
         for row, owner in enumerate(keep_owner):
@@ -222,10 +233,22 @@ class TorchModelRunner:
                 for i in sample_items
             ]
             row_index = torch.tensor([last_row[i] for i in sample_items], device=logits.device)
+            grammar_mask = masks.wait()
+            for row, error in masks.errors.items():
+                output.failed[items[sample_items[row]].request_id] = error
             for i, (token, token_lp) in self._sample_rows(
-                    logits[row_index], rows, sample_items, items, output).items():
+                    logits[row_index], rows, sample_items, items, output,
+                    grammar_mask).items():
                 request_id = items[i].request_id
-                self._requests[request_id].output_token_ids.append(token)
+                if request_id in output.failed:
+                    continue
+                state = self._requests[request_id]
+                state.output_token_ids.append(token)
+                if state.grammar is not None:
+                    error = state.grammar.accept(state.output_token_ids)
+                    if error is not None:
+                        output.failed[request_id] = error
+                        continue
                 output.sampled_token_ids[request_id] = token
                 if token_lp is not None:
                     output.logprobs[request_id] = token_lp
@@ -241,19 +264,21 @@ class TorchModelRunner:
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow],
                      sample_items: list[int], items: list[ScheduledRequest],
-                     output: RunnerOutput) -> dict[int, tuple[int, TokenLogprobs | None]]:
+                     output: RunnerOutput, grammar_mask: GrammarMask | None
+                     ) -> dict[int, tuple[int, TokenLogprobs | None]]:
         """Sample every row at once; if that raises, row by row, so that a row whose
         own parameters or state break sampling fails alone (in ``output.failed``)."""
         try:
-            tokens, logprobs = sample(logits, rows, self.generator)
+            tokens, logprobs = sample(logits, rows, self.generator, grammar_mask)
             return dict(zip(sample_items, zip(tokens, logprobs, strict=True), strict=True))
         except Exception:
             logger.warning("batched sampling failed; sampling row by row", exc_info=True)
         sampled = {}
         for row_index, (i, row) in enumerate(zip(sample_items, rows, strict=True)):
             try:
-                [token], [token_lp] = sample(logits[row_index:row_index + 1], [row],
-                                             self.generator)
+                [token], [token_lp] = sample(
+                    logits[row_index:row_index + 1], [row], self.generator,
+                    None if grammar_mask is None else grammar_mask.select(row_index))
             except Exception as error:
                 output.failed[items[i].request_id] = f"sampling: {error!r}"
                 continue
@@ -274,6 +299,7 @@ class TorchModelRunner:
 
     def shutdown(self) -> None:
         drain_pools()  # no kernel helper reads the weights or the cache once they go
+        self.mask_filler.shutdown()
         self._requests.clear()
         del self.kv_cache
         del self.model
