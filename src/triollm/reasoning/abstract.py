@@ -6,7 +6,7 @@ event loop."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from triollm.tool_parsers.types import DeltaMessage
@@ -16,10 +16,28 @@ __all__ = ["ReasoningParser", "ReasoningParserManager"]
 
 class ReasoningParser:
     """Base class over the served model's Hugging Face tokenizer. One instance per
-    choice of one request when streaming; ``is_reasoning_end`` keeps no state."""
+    choice of one request when streaming; ``is_reasoning_end`` keeps no state.
 
-    def __init__(self, tokenizer: Any) -> None:
+    ``chat_template_kwargs`` are the request's (``enable_thinking`` among them).
+
+    ``start_token_id`` and ``end_token_id`` are the single tokens that open and close
+    the reasoning, or None where no one token does. They let the engine follow a
+    request token by token without decoding: the reasoning is over for a request whose
+    prompt gives ``is_reasoning_end(prompt_token_ids)``, or once it samples
+    ``end_token_id``; structured outputs apply from the token after it.
+    """
+
+    start_token_id: int | None = None
+    end_token_id: int | None = None
+
+    def __init__(self, tokenizer: Any, *,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.model_tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return dict(self.model_tokenizer.get_vocab())
 
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         """Whether the reasoning is over at the end of ``input_ids`` (a prompt, or a

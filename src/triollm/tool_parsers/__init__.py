@@ -1,5 +1,7 @@
-"""Tool-call parsers: a model's text to OpenAI ``tool_calls``, whole or streamed."""
+"""Tool-call parsers: a model's text to OpenAI ``tool_calls``, whole or streamed.
+Importing the package registers the built-in parsers under vLLM's names."""
 
+from triollm.tool_parsers import hermes  # noqa: F401 (the parsers register themselves)
 from triollm.tool_parsers.abstract import ToolParser, ToolParserManager
 from triollm.tool_parsers.types import (
     DeltaFunctionCall,

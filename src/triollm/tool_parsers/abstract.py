@@ -59,6 +59,13 @@ class ToolParser:
         send yet)."""
         raise NotImplementedError
 
+    def finish_streaming(self, current_text: str, request: Any) -> DeltaMessage | None:
+        """What the parser still holds when the output ends (``current_text`` is all of
+        it): text kept back because it could have opened a tool call, a parameter that
+        only the end of the text closes. The built-in parsers then have sent exactly what
+        ``extract_tool_calls`` returns. None: nothing more."""
+        return None
+
 
 _Parser = TypeVar("_Parser", bound=type[ToolParser])
 

@@ -1,0 +1,121 @@
+"""Reading one JSON tool call, ``{"name": "f", "arguments": {...}}``, whole or in part.
+
+While the object is unfinished, the name counts once its string is closed, and the
+arguments stream as the model's own text of their value: every character after
+``"arguments":`` up to the value's end belongs to it, so what is sent is always a prefix
+of the final value, with no guessing how a partial value will close."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import partial_json_parser
+from partial_json_parser.core.options import Allow
+
+from triollm.tool_parsers.incremental import CallScan
+
+__all__ = ["ObjectScan", "arguments_json", "scan_call_object"]
+
+_DECODER = json.JSONDecoder()
+# Llama 3.2 may write "type": "function" first; otherwise the name leads.
+_NAME_KEY = re.compile(r'\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:\s*')
+_ARGUMENTS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_WHITESPACE = re.compile(r"\s*")
+
+
+class ObjectScan:
+    """A call object read from ``text[start:]``: ``call`` as far as known, ``end`` the
+    index just past the object once it is whole, ``invalid`` when it can never be a
+    call (not an object, no string name)."""
+
+    __slots__ = ("call", "end", "invalid")
+
+    def __init__(self, call: CallScan, end: int | None = None, invalid: bool = False) -> None:
+        self.call = call
+        self.end = end
+        self.invalid = invalid
+
+
+def arguments_json(value: Any) -> str | None:
+    """The arguments' JSON text from a parsed call's value: an object as it is, a string
+    holding a JSON object decoded first (some models quote their arguments), nothing as
+    ``{}``. None when it is no JSON object or array."""
+    if value is None:
+        return "{}"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dict | list):
+        return None
+    return json.dumps(value, ensure_ascii=False)
+
+
+def skip_space(text: str, pos: int) -> int:
+    """The index of the first non-whitespace character at or after ``pos``."""
+    match = _WHITESPACE.match(text, pos)
+    return match.end() if match else pos
+
+
+def _decode(text: str, pos: int) -> tuple[Any, int] | None:
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except ValueError:
+        return None
+
+
+def _raw_arguments_start(text: str, start: int) -> tuple[str | None, int | None]:
+    """The name (when closed) and where the arguments' value starts (when it is an
+    object or array written right after the name), for a call written name first."""
+    key = _NAME_KEY.match(text, start)
+    if key is None:
+        return None, None
+    decoded = _decode(text, key.end()) if text.startswith('"', key.end()) else None
+    if decoded is None or not isinstance(decoded[0], str):
+        return None, None
+    name, after_name = decoded
+    arguments = _ARGUMENTS_KEY.match(text, after_name)
+    if arguments is None or not text.startswith(("{", "["), arguments.end()):
+        return name, None
+    return name, arguments.end()
+
+
+def _partial_name(text: str, start: int) -> str | None:
+    try:
+        partial = partial_json_parser.loads(text[start:], Allow.ALL & ~Allow.STR)
+    except Exception:  # a half-written object may not parse yet
+        return None
+    name = partial.get("name") if isinstance(partial, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def scan_call_object(text: str, start: int) -> ObjectScan:
+    """Read the call object that starts at ``text[start]`` (a ``{``); ``text`` ends where
+    the call's region ends (or where the stream is so far)."""
+    name, arguments_start = _raw_arguments_start(text, start)
+    whole = _decode(text, start)
+    if whole is not None:
+        value, end = whole
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return ObjectScan(CallScan(), end, invalid=True)
+        if arguments_start is not None:
+            raw = _decode(text, arguments_start)
+            if raw is not None:
+                return ObjectScan(CallScan(value["name"], text[arguments_start:raw[1]], True),
+                                  end)
+        arguments = arguments_json(value.get("arguments", value.get("parameters")))
+        if arguments is None:
+            return ObjectScan(CallScan(), end, invalid=True)
+        return ObjectScan(CallScan(value["name"], arguments, True), end)
+    if name is None:
+        name = _partial_name(text, start) if '"name"' in text[start:] else None
+        return ObjectScan(CallScan(name))
+    if arguments_start is None:
+        return ObjectScan(CallScan(name))
+    raw = _decode(text, arguments_start)
+    if raw is not None:
+        return ObjectScan(CallScan(name, text[arguments_start:raw[1]], True))
+    return ObjectScan(CallScan(name, text[arguments_start:]))
