@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
@@ -77,6 +77,21 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
     tokenizer.chat_template = TEMPLATE
     return build_tiny_model("qwen2", tmp_path_factory.mktemp("tools") / "m", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def no_spaces(model_path: Path) -> dict[str, float]:
+    """A logit bias that keeps a random model's constrained answer short: against
+    whitespace-only tokens (a grammar allows any whitespace between JSON tokens) and
+    for tokens with ``]`` (the grammar allows them only where the array of calls may
+    end, so it ends after a call or two instead of growing to ``max_tokens``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    texts = {i: tokenizer.decode([i]) for i in range(len(tokenizer))}
+    bias = {str(i): -100.0 for i, text in texts.items() if text and not text.strip()}
+    bias.update({str(i): 8.0 for i, text in texts.items() if "]" in text})
+    return bias
 
 
 @pytest.fixture(scope="module")
@@ -171,15 +186,15 @@ def whole_calls(message: Any) -> list[tuple[str, Any]]:
 
 @pytest.mark.parametrize("tool_choice", [
     "required", {"type": "function", "function": {"name": "lookup"}}])
-def test_constrained_tool_calls_validate_streamed_or_not(free: ThreadedServer,
-                                                         tool_choice: Any) -> None:
+def test_constrained_tool_calls_validate_streamed_or_not(
+        free: ThreadedServer, no_spaces: dict[str, float], tool_choice: Any) -> None:
     client = client_of(free)
     kwargs: Any = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
-                       max_tokens=200, temperature=1.0, seed=11)
+                       max_tokens=200, temperature=1.0, seed=11, logit_bias=no_spaces)
     whole = client.chat.completions.create(**kwargs)
     [choice] = whole.choices
     calls = whole_calls(choice.message)
-    assert calls, choice
+    assert calls, choice.message.content
     for name, arguments in calls:
         jsonschema.validate(arguments, SCHEMAS[name])
     assert all(call.id and call.type == "function" for call in choice.message.tool_calls or [])
@@ -193,10 +208,11 @@ def test_constrained_tool_calls_validate_streamed_or_not(free: ThreadedServer,
     assert finish == choice.finish_reason and content == ""
 
 
-def test_n_choices_each_have_their_calls(free: ThreadedServer) -> None:
+def test_n_choices_each_have_their_calls(free: ThreadedServer,
+                                         no_spaces: dict[str, float]) -> None:
     client = client_of(free)
     kwargs: Any = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=3,
-                       max_tokens=200, temperature=1.0, seed=5)
+                       max_tokens=200, temperature=1.0, seed=5, logit_bias=no_spaces)
     whole = client.chat.completions.create(**kwargs)
     assert len(whole.choices) == 3
     for choice in whole.choices:
@@ -211,13 +227,6 @@ def test_n_choices_each_have_their_calls(free: ThreadedServer) -> None:
     for index, chunks in per_choice.items():
         calls, _, _, _ = streamed_calls(chunks)
         assert calls == whole_calls(whole.choices[index].message)
-
-
-def test_parallel_tool_calls_false_keeps_one_call(free: ThreadedServer) -> None:
-    reply = client_of(free).chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-        parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=3)
-    assert len(reply.choices[0].message.tool_calls or []) == 1
 
 
 def test_tool_choice_errors_name_the_field(free: ThreadedServer) -> None:
@@ -263,7 +272,7 @@ ANSWER = ('<think>The user wants weather.</think>Let me check.<tool_call>\n'
 def test_auto_reads_hermes_calls_and_reasoning(scripted: ThreadedServer, speak: Any) -> None:
     speak(ANSWER)
     client = client_of(scripted)
-    kwargs: Any = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0)
+    kwargs: Any = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200, temperature=0)
     whole = client.chat.completions.create(**kwargs)
     [choice] = whole.choices
     message = choice.message
@@ -276,6 +285,21 @@ def test_auto_reads_hermes_calls_and_reasoning(scripted: ThreadedServer, speak: 
         client.chat.completions.create(**kwargs, stream=True))
     assert calls == whole_calls(message) and finish == "tool_calls"
     assert reasoning == "The user wants weather." and content.strip() == "Let me check."
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(scripted: ThreadedServer,
+                                                        speak: Any) -> None:
+    second = '<tool_call>\n{"name": "lookup", "arguments": {"query": "moon", "exact": true}}\n</tool_call>'
+    speak(ANSWER + second)
+    client = client_of(scripted)
+    kwargs: Any = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=300)
+    both = whole_calls(client.chat.completions.create(**kwargs).choices[0].message)
+    assert [name for name, _ in both] == ["get_weather", "lookup"]
+    first = client.chat.completions.create(**kwargs, parallel_tool_calls=False)
+    assert whole_calls(first.choices[0].message) == both[:1]
+    calls, _, _, _ = streamed_calls(client.chat.completions.create(
+        **kwargs, parallel_tool_calls=False, stream=True))
+    assert calls == both[:1]
 
 
 def test_auto_without_a_call_is_text(scripted: ThreadedServer, speak: Any) -> None:
@@ -311,18 +335,19 @@ def test_include_reasoning_false_and_thinking_off(scripted: ThreadedServer,
 
 # -- clients: LangChain and the OpenAI Agents SDK ------------------------------------------
 
-def test_langchain_bind_tools_round_trip(free: ThreadedServer) -> None:
+def test_langchain_bind_tools_round_trip(free: ThreadedServer,
+                                         no_spaces: dict[str, float]) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
     from langchain_core.tools import tool
 
     @tool
-    def lookup(query: str, exact: bool) -> str:
+    def lookup(query: Literal["tides", "moon"], exact: bool) -> str:
         """Look something up."""
         return f"{query}: found" if exact else "maybe"
 
     chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=free.url + "/v1",
                                        api_key="none", max_tokens=200, temperature=1.0,
-                                       seed=2, max_retries=0)
+                                       seed=2, max_retries=0, logit_bias=no_spaces)
     schema = lookup.args_schema.model_json_schema()  # type: ignore[union-attr]
     for choice in ("required", "lookup"):
         message = chat.bind_tools([lookup], tool_choice=choice).invoke("Look up the tides")
@@ -333,12 +358,13 @@ def test_langchain_bind_tools_round_trip(free: ThreadedServer) -> None:
             assert lookup.invoke(call["args"]) in ("maybe", f"{call['args']['query']}: found")
 
 
-def test_openai_agents_sdk_runs_one_tool_call(free: ThreadedServer) -> None:
+def test_openai_agents_sdk_runs_one_tool_call(free: ThreadedServer,
+                                              no_spaces: dict[str, float]) -> None:
     agents = pytest.importorskip("agents")
     calls: list[tuple[str, str]] = []
 
     @agents.function_tool
-    def get_weather(city: str, unit: str) -> str:
+    def get_weather(city: Literal["Paris", "Oslo"], unit: Literal["c", "f"]) -> str:
         """The weather in a city."""
         calls.append((city, unit))
         return f"sunny in {city}"
@@ -351,7 +377,8 @@ def test_openai_agents_sdk_runs_one_tool_call(free: ThreadedServer) -> None:
         name="weather", instructions="Answer with the tool.", tools=[get_weather],
         model=model, tool_use_behavior="stop_on_first_tool",
         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=200,
-                                            temperature=1.0))
+                                            temperature=1.0,
+                                            extra_body={"logit_bias": no_spaces}))
     result = agents.Runner.run_sync(agent, "Weather in Oslo?", max_turns=2)
     assert len(calls) == 1
     assert result.final_output == f"sunny in {calls[0][0]}"

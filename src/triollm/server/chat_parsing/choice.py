@@ -42,8 +42,9 @@ class ChoiceReader:
     def __init__(self, plan: ChatParsing, prompt_token_ids: Sequence[int]) -> None:
         self.plan = plan
         tokenizer = plan.tokenizer
-        self.reasoning = (plan.reasoning_parser(tokenizer) if plan.reasoning_parser
-                          else None)
+        self.reasoning = (plan.reasoning_parser(
+            tokenizer, chat_template_kwargs=plan.request.chat_template_kwargs)
+            if plan.reasoning_parser else None)
         self.tools = (plan.tool_parser(tokenizer) if plan.tool_parser is not None
                       else None)
         self.required = RequiredCallStream() if plan.tool_choice == "required" else None
@@ -77,8 +78,11 @@ class ChoiceReader:
                                                   arguments=content or ""))
             return ReadChoice(reasoning, "", [call])
         if choice == "required":
-            return ReadChoice(reasoning, "", self._kept(required_tool_calls(content or "")),
-                              called=True)
+            try:
+                calls = required_tool_calls(content or "")
+            except ValueError:  # cut short (max_tokens): the text is all there is
+                return ReadChoice(reasoning, content)
+            return ReadChoice(reasoning, "", self._kept(calls), called=True)
         return ReadChoice(reasoning, content)
 
     def _kept(self, calls: list[ToolCall]) -> list[ToolCall]:
@@ -146,10 +150,26 @@ class ChoiceReader:
         else:
             delta.content = text
 
-    def unsent_arguments(self) -> DeltaMessage | None:
-        """At the end of an ``auto`` stream: the arguments the tool parser parsed but has
-        not streamed yet (a parser sends a call's last fragment only once it sees more
-        text), as vLLM sends them with the final chunk."""
+    def finish(self) -> DeltaMessage | None:
+        """At the end of an ``auto`` stream: what the tool parser held back (text that
+        could have opened a call, a call's last fragment). A parser that does not say
+        (one written for vLLM) is asked as vLLM does: the arguments it parsed but has
+        not streamed."""
+        tools = self.tools
+        if tools is None or self.in_reasoning:
+            return None
+        held = tools.finish_streaming(self.content_text, self.plan.request)
+        if held is not None:
+            delta = DeltaMessage(content=held.content)
+            calls = [call for call in held.tool_calls
+                     if self.plan.parallel_tool_calls or call.index == 0]
+            delta.tool_calls = calls or None
+            if calls:
+                self.streamed_calls = True
+            return delta if delta.content is not None or calls else None
+        return self._unsent_arguments()
+
+    def _unsent_arguments(self) -> DeltaMessage | None:
         tools = self.tools
         if tools is None or not tools.prev_tool_call_arr or not self.streamed_calls:
             return None

@@ -167,7 +167,7 @@ async def _events(plan: ChatParsing, request: GenerationRequest, submitted: list
                     reader = readers[completion.index]
                     delta = reader.delta(completion.text, completion.token_ids)
                     if finish_reason is not None:
-                        delta = _merged(delta, reader.unsent_arguments())
+                        delta = _merged(delta, reader.finish())
                         if (reader.streamed_calls and plan.tool_choice != "named"
                                 and finish_reason == "stop"):
                             finish_reason = "tool_calls"
@@ -190,10 +190,13 @@ async def _events(plan: ChatParsing, request: GenerationRequest, submitted: list
 
 
 def _merged(delta: DeltaMessage | None, more: DeltaMessage | None) -> DeltaMessage | None:
-    """``delta`` with the tool-call fragments of ``more`` after its own."""
+    """``delta`` with the content and tool-call fragments of ``more`` after its own."""
     if more is None:
         return delta
     if delta is None:
         return more
-    delta.tool_calls = [*(delta.tool_calls or []), *(more.tool_calls or [])]
+    if more.content is not None:
+        delta.content = (delta.content or "") + more.content
+    if more.tool_calls:
+        delta.tool_calls = [*(delta.tool_calls or []), *more.tool_calls]
     return delta
