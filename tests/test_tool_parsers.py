@@ -151,15 +151,95 @@ HERMES_MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize(("text", "calls", "content"), HERMES)
-def test_hermes_recorded_outputs(tool_tokenizer: Any, text: str, calls: list[Any],
-                                 content: str | None) -> None:
-    check("hermes", tool_tokenizer, text, calls, content)
+LLAMA = [
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "San Francisco", "days": 3}}',
+     [WEATHER], None),
+    ('{"name": "get_weather", "parameters": {"city": "San Francisco", "days": 3}}; '
+     '{"type": "function", "name": "search", "parameters": {"query": "café ☕"}}',
+     [WEATHER, ("search", {"query": "café ☕"})], None),
+    ('{"name": "search", "arguments": {"query": "x"}}\n\nI searched for x.',
+     [("search", {"query": "x"})], "\n\nI searched for x."),
+    ("The capital of France is Paris.", [], "The capital of France is Paris."),
+]
+LLAMA_MALFORMED = ['{"answer": 42}', '{"name": "search", "parameters": {"query": "x"']
+
+MISTRAL = [
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "San Francisco", '
+     '"days": 3}}, {"name": "search", "arguments": {"query": "naïve \\u00e9"}}]',
+     [WEATHER, ("search", {"query": "naïve é"})], None),
+    ('Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "San Francisco", "days": 3}'
+     '[TOOL_CALLS]search[ARGS]{"query": "[ARGS] inside"}',
+     [WEATHER, ("search", {"query": "[ARGS] inside"})], "Let me look."),
+    ("Bonjour ! Comment puis-je aider ?", [], "Bonjour ! Comment puis-je aider ?"),
+]
+MISTRAL_MALFORMED = ["[TOOL_CALLS] [{'name': 'f'}]", '[TOOL_CALLS]search[ARGS]{"query": ',
+                     "[TOOL_CALLS]"]
+
+PYTHONIC = [
+    ('[get_weather(city="San Francisco", days=3)]', [WEATHER], None),
+    ("[get_weather(city='東京', metric=True, options={'units': ['c', None], 'x': -1.5}), "
+     "search(query=\"a, b) and [c]\")]\nDone.",
+     [("get_weather", {"city": "東京", "metric": True,
+                       "options": {"units": ["c", None], "x": -1.5}}),
+      ("search", {"query": "a, b) and [c]"})], "\nDone."),
+    ("<|python_start|>[search(query=\"x\")]<|python_end|>", [("search", {"query": "x"})], None),
+    ("[1, 2, 3] are numbers.", [], "[1, 2, 3] are numbers."),
+    ("I cannot call tools for that.", [], "I cannot call tools for that."),
+]
+PYTHONIC_MALFORMED = ["[get_weather('Paris')]", "[os.system(cmd=__import__('os'))]",
+                      "[search(query=\"x\"", "[search(**kwargs)]"]
+
+QWEN3_CODER = [
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", [WEATHER], None),
+    ("Checking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n北京\n</parameter>\n"
+     "<parameter=metric>\nTrue\n</parameter>\n<parameter=threshold>\n2.5\n</parameter>\n"
+     "<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n<parameter=options>\n{'deep': {'x': 1}}"
+     "\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=search>\n"
+     "<parameter=query>\nline one\n</parameter> is literal\nline two\n</parameter>\n"
+     "</function>\n</tool_call>",
+     [("get_weather", {"city": "北京", "metric": True, "threshold": 2.5, "tags": ["a", "b"],
+                       "options": {"deep": {"x": 1}}}),
+      ("search", {"query": "line one\n</parameter> is literal\nline two"})], "Checking.\n\n"),
+    # A parameter the tool does not declare stays text; one without its end tag ends
+    # at the function's end.
+    ("<tool_call>\n<function=search>\n<parameter=query>\n42\n</parameter>\n<parameter=extra>"
+     "\n7\n</function>\n</tool_call>", [("search", {"query": "42", "extra": "7"})], None),
+    ("No tools needed: 2 + 2 = 4.", [], "No tools needed: 2 + 2 = 4."),
+]
+QWEN3_CODER_MALFORMED = ["<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>",
+                         "<tool_call>\n<parameter=city>\nx\n</parameter>\n</tool_call>"]
+
+RECORDED = [(name, *case) for name, cases in [
+    ("hermes", HERMES), ("llama3_json", LLAMA), ("mistral", MISTRAL),
+    ("pythonic", PYTHONIC), ("qwen3_coder", QWEN3_CODER)] for case in cases]
+MALFORMED = [(name, text) for name, texts in [
+    ("hermes", HERMES_MALFORMED), ("llama3_json", LLAMA_MALFORMED),
+    ("mistral", MISTRAL_MALFORMED), ("pythonic", PYTHONIC_MALFORMED),
+    ("qwen3_coder", QWEN3_CODER_MALFORMED)] for text in texts]
 
 
-@pytest.mark.parametrize("text", HERMES_MALFORMED)
-def test_hermes_malformed_calls_stay_content(tool_tokenizer: Any, text: str) -> None:
-    check("hermes", tool_tokenizer, text, [], text, malformed=True)
+@pytest.mark.parametrize(("name", "text", "calls", "content"), RECORDED)
+def test_recorded_outputs_whole_and_streamed(tool_tokenizer: Any, name: str, text: str,
+                                             calls: list[Any], content: str | None) -> None:
+    check(name, tool_tokenizer, text, calls, content)
+
+
+@pytest.mark.parametrize(("name", "text"), MALFORMED)
+def test_malformed_calls_stay_content(tool_tokenizer: Any, name: str, text: str) -> None:
+    check(name, tool_tokenizer, text, [], text, malformed=True)
+
+
+def test_mistral_ids_are_nine_letters_and_digits(tool_tokenizer: Any) -> None:
+    info = make("mistral", tool_tokenizer).extract_tool_calls(MISTRAL[0][0], Request())
+    streamed = make("mistral", tool_tokenizer).extract_tool_calls_streaming(
+        "", MISTRAL[0][0], MISTRAL[0][0], [], [], [], Request())
+    assert streamed is not None
+    ids = [call.id for call in info.tool_calls] + [streamed.tool_calls[0].id]
+    assert all(i is not None and len(i) == 9 and i.isalnum() for i in ids)
+    assert len(set(ids)) == 3
+
+
 
 
 def test_hermes_keeps_special_tokens_in_the_text(tool_tokenizer: Any) -> None:
@@ -167,7 +247,7 @@ def test_hermes_keeps_special_tokens_in_the_text(tool_tokenizer: Any) -> None:
     assert request.skip_special_tokens is False
 
 
-PARSERS = sorted(["hermes"])
+PARSERS = sorted(ToolParserManager.tool_parsers)
 
 
 PIECES = [*'{}[]":,;()=<>/ \nab1', *SPECIAL, "<function=", "<parameter=", "</parameter>",
@@ -195,3 +275,74 @@ _TOKENIZER: list[Any] = []
 @pytest.fixture(autouse=True, scope="module")
 def _share_tokenizer(tool_tokenizer: Any) -> None:
     _TOKENIZER[:] = [tool_tokenizer]
+
+
+# Well-formed outputs of every format, from generated calls and content.
+TEXT = st.text(alphabet="ab é日<>.,!\n\t", max_size=12)
+SCALARS = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(
+    allow_nan=False, allow_infinity=False, width=32) | st.text(max_size=8)
+JSON_VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.text(max_size=5), inner, max_size=3), max_leaves=6)
+JSON_ARGS = st.dictionaries(st.text(min_size=1, max_size=6), JSON_VALUES, max_size=4)
+PY_ARGS = st.dictionaries(st.sampled_from(["city", "days", "q", "x_1"]), JSON_VALUES, max_size=3)
+TYPED_ARGS = st.fixed_dictionaries({}, optional={
+    "city": st.text(alphabet="ab é日<>/\n", max_size=10).filter(lambda t: t.strip() == t),
+    "days": st.integers(-99, 10**6), "metric": st.booleans(),
+    "threshold": st.floats(-1e6, 1e6, allow_nan=False).filter(lambda f: not f.is_integer()),
+    "tags": st.lists(st.text(max_size=4), max_size=3), "options": st.dictionaries(
+        st.text(max_size=4), JSON_VALUES, max_size=2)})
+NAMES = st.sampled_from(["get_weather", "search", "fn_2"])
+
+
+def _py(value: Any) -> str:
+    return repr(value)
+
+
+def render(name: str, calls: list[tuple[str, dict[str, Any]]], before: str, after: str,
+           variant: bool) -> tuple[str, str | None]:
+    """A model's text calling ``calls`` with content around them, and the content a
+    parser gives for it."""
+    ascii_only = variant
+    if name == "hermes":
+        body = "\n".join("<tool_call>\n" + json.dumps({"name": n, "arguments": a},
+                         ensure_ascii=ascii_only) + "\n</tool_call>" for n, a in calls)
+        return before + body + after, (before if before.strip() else "") + (
+            after if after.strip() else "") or None
+    if name in ("llama3_json", "llama4_json"):
+        body = "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+        return ("<|python_tag|>" if variant else "") + body + after, after if after.strip() \
+            else None
+    if name == "mistral":
+        if variant:
+            body = "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls)
+        else:
+            body = "[TOOL_CALLS] " + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+        return before + body + after, (before if before.strip() else "") + (
+            after if after.strip() else "") or None
+    if name == "pythonic":
+        body = "[" + ", ".join(n + "(" + ", ".join(f"{k}={_py(v)}" for k, v in a.items())
+                               + ")" for n, a in calls) + "]"
+        return body + after, after if after.strip() else None
+    body = "\n".join("<tool_call>\n<function=" + n + ">\n" + "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+        for k, v in a.items()) + "</function>\n</tool_call>" for n, a in calls)
+    return before + body + after, (before if before.strip() else "") + (
+        after if after.strip() else "") or None
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(PARSERS), st.data())
+def test_streaming_in_any_cuts_gives_the_whole_outputs_calls(name: str, data: st.DataObject
+                                                             ) -> None:
+    tok = _TOKENIZER[0]
+    args = {"pythonic": PY_ARGS, "qwen3_coder": TYPED_ARGS, "qwen3_xml": TYPED_ARGS}.get(
+        name, JSON_ARGS)
+    names = NAMES if name not in ("qwen3_coder", "qwen3_xml") else st.just("get_weather")
+    calls = data.draw(st.lists(st.tuples(names, args), min_size=1, max_size=3))
+    text, content = render(name, calls, data.draw(TEXT), data.draw(TEXT), data.draw(st.booleans()))
+    expected = [(n, json.loads(json.dumps(a))) for n, a in calls]
+    assert whole(name, tok, text) == (expected, content)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=20)))
+    chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True) if i < j]
+    assert parsed(stream_chunks(name, tok, chunks)) == (expected, content or "")
+    assert parsed(stream_chunks(name, tok, by_tokens(tok, text))) == (expected, content or "")

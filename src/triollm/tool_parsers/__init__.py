@@ -1,7 +1,14 @@
 """Tool-call parsers: a model's text to OpenAI ``tool_calls``, whole or streamed.
 Importing the package registers the built-in parsers under vLLM's names."""
 
-from triollm.tool_parsers import hermes  # noqa: F401 (the parsers register themselves)
+# The built-in parsers register themselves.
+from triollm.tool_parsers import (  # noqa: F401
+    hermes,
+    llama3_json,
+    mistral,
+    pythonic,
+    qwen3_coder,
+)
 from triollm.tool_parsers.abstract import ToolParser, ToolParserManager
 from triollm.tool_parsers.types import (
     DeltaFunctionCall,

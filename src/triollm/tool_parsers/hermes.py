@@ -25,14 +25,7 @@ class Hermes2ProToolParser(IncrementalToolParser):
     """Calls in ``<tool_call>`` tags; the text outside them is content. A last call whose
     end tag never came still counts when its JSON is whole."""
 
-    def adjust_request(self, request: Any) -> Any:
-        # <tool_call> is a special token in some vocabularies: keep it in the text.
-        if getattr(request, "tools", None) and getattr(request, "tool_choice", None) != "none":
-            try:
-                request.skip_special_tokens = False
-            except (AttributeError, ValueError):
-                pass
-        return request
+    keep_special_tokens = True
 
     def scan(self, text: str, *, final: bool, request: Any) -> Scan:
         before, regions, after = tagged_regions(text, START, END, final=final)

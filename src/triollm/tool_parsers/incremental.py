@@ -120,9 +120,22 @@ class IncrementalToolParser(ToolParser):
     arguments' JSON text sent so far>}`` and ``streamed_args_for_tool[i]`` that same text.
     """
 
+    #: The format's markers are special tokens in some vocabularies: a request with
+    #: tools keeps special tokens in its text.
+    keep_special_tokens = False
+
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
         self._sent_content = ""
+
+    def adjust_request(self, request: Any) -> Any:
+        if (self.keep_special_tokens and getattr(request, "tools", None)
+                and getattr(request, "tool_choice", None) != "none"):
+            try:
+                request.skip_special_tokens = False
+            except (AttributeError, ValueError):  # a frozen request keeps its own
+                pass
+        return request
 
     def scan(self, text: str, *, final: bool, request: Any) -> Scan:
         """Read ``text`` (the whole output when ``final``)."""

@@ -16,7 +16,7 @@ from partial_json_parser.core.options import Allow
 
 from triollm.tool_parsers.incremental import CallScan
 
-__all__ = ["ObjectScan", "arguments_json", "scan_call_object"]
+__all__ = ["ObjectScan", "arguments_json", "decode_json", "scan_call_object", "skip_space"]
 
 _DECODER = json.JSONDecoder()
 # Llama 3.2 may write "type": "function" first; otherwise the name leads.
@@ -60,7 +60,9 @@ def skip_space(text: str, pos: int) -> int:
     return match.end() if match else pos
 
 
-def _decode(text: str, pos: int) -> tuple[Any, int] | None:
+def decode_json(text: str, pos: int) -> tuple[Any, int] | None:
+    """The JSON value that starts at ``text[pos]`` and the index after it; None when
+    there is no whole value there."""
     try:
         return _DECODER.raw_decode(text, pos)
     except ValueError:
@@ -73,7 +75,7 @@ def _raw_arguments_start(text: str, start: int) -> tuple[str | None, int | None]
     key = _NAME_KEY.match(text, start)
     if key is None:
         return None, None
-    decoded = _decode(text, key.end()) if text.startswith('"', key.end()) else None
+    decoded = decode_json(text, key.end()) if text.startswith('"', key.end()) else None
     if decoded is None or not isinstance(decoded[0], str):
         return None, None
     name, after_name = decoded
@@ -96,13 +98,13 @@ def scan_call_object(text: str, start: int) -> ObjectScan:
     """Read the call object that starts at ``text[start]`` (a ``{``); ``text`` ends where
     the call's region ends (or where the stream is so far)."""
     name, arguments_start = _raw_arguments_start(text, start)
-    whole = _decode(text, start)
+    whole = decode_json(text, start)
     if whole is not None:
         value, end = whole
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return ObjectScan(CallScan(), end, invalid=True)
         if arguments_start is not None:
-            raw = _decode(text, arguments_start)
+            raw = decode_json(text, arguments_start)
             if raw is not None:
                 return ObjectScan(CallScan(value["name"], text[arguments_start:raw[1]], True),
                                   end)
@@ -115,7 +117,7 @@ def scan_call_object(text: str, start: int) -> ObjectScan:
         return ObjectScan(CallScan(name))
     if arguments_start is None:
         return ObjectScan(CallScan(name))
-    raw = _decode(text, arguments_start)
+    raw = decode_json(text, arguments_start)
     if raw is not None:
         return ObjectScan(CallScan(name, text[arguments_start:raw[1]], True))
     return ObjectScan(CallScan(name, text[arguments_start:]))
