@@ -19,8 +19,8 @@ from typing import Any, Literal
 import jsonschema
 import openai
 import pytest
-
 from tests.server_helpers import ThreadedServer, server_in_thread
+
 from triollm import AsyncLLMEngine
 from triollm.engine.args import AsyncEngineArgs
 
@@ -289,7 +289,8 @@ def test_auto_reads_hermes_calls_and_reasoning(scripted: ThreadedServer, speak: 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(scripted: ThreadedServer,
                                                         speak: Any) -> None:
-    second = '<tool_call>\n{"name": "lookup", "arguments": {"query": "moon", "exact": true}}\n</tool_call>'
+    second = ('<tool_call>\n{"name": "lookup", "arguments": {"query": "moon", "exact": '
+              'true}}\n</tool_call>')
     speak(ANSWER + second)
     client = client_of(scripted)
     kwargs: Any = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=300)

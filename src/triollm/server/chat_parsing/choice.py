@@ -61,7 +61,8 @@ class ChoiceReader:
     # -- a whole choice ------------------------------------------------------------------
 
     def read(self, text: str) -> ReadChoice:
-        reasoning, content = None, text
+        reasoning: str | None = None
+        content: str | None = text
         if self.reasoning is not None and self.in_reasoning:
             reasoning, content = self.reasoning.extract_reasoning(text, self.plan.request)
         if not self.plan.include_reasoning:
