@@ -550,9 +550,6 @@ def test_structured_output_and_tool_calls_are_refused_not_ignored(
         ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
         ({"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
         ({"tools": tools}, "tool_choice"),  # no tool_choice means "auto", as in vLLM
-        ({"tools": tools, "tool_choice": "required"}, "tool_choice"),
-        ({"tools": tools, "tool_choice": {"type": "function",
-                                          "function": {"name": "weather"}}}, "tool_choice"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"tools": []}, "tools"),
     ]

@@ -248,6 +248,12 @@ def test_tool_choice_errors_name_the_field(free: ThreadedServer) -> None:
     served = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3,
                                             tools=TOOLS, tool_choice="none")
     assert served.choices[0].message.tool_calls in (None, [])
+    # the Responses API does not call tools here: refused by name, not ignored
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                                tools=[{"type": "function", "name": "get_weather",
+                                        "parameters": WEATHER, "strict": False}])
+    assert (caught.value.body or {}).get("param") == "tools"
 
 
 # -- auto and reasoning: parsers on the model's own output -----------------------------
