@@ -16,7 +16,8 @@ from partial_json_parser.core.options import Allow
 
 from triollm.tool_parsers.incremental import CallScan
 
-__all__ = ["ObjectScan", "arguments_json", "decode_json", "scan_call_object", "skip_space"]
+__all__ = ["CallList", "ObjectScan", "arguments_json", "decode_json", "scan_call_list",
+           "scan_call_object", "skip_space"]
 
 _DECODER = json.JSONDecoder()
 # Llama 3.2 may write "type": "function" first; otherwise the name leads.
@@ -121,3 +122,43 @@ def scan_call_object(text: str, start: int) -> ObjectScan:
     if raw is not None:
         return ObjectScan(CallScan(name, text[arguments_start:raw[1]], True))
     return ObjectScan(CallScan(name, text[arguments_start:]))
+
+
+class CallList:
+    """The calls of a JSON list read so far, where the text after the list starts (once
+    it is closed), and whether it can no longer be a list of calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[CallScan] = []
+        self.tail: int | None = None
+        self.malformed = False
+
+
+def scan_call_list(text: str, pos: int, final: bool) -> CallList:
+    """Read the JSON list of call objects that starts at ``text[pos]`` (a ``[``)."""
+    found = CallList()
+    pos = skip_space(text, pos + 1)
+    while pos < len(text):
+        if text[pos] == "]" and not found.calls:
+            found.tail = pos + 1
+            return found
+        if text[pos] != "{":
+            found.malformed = True
+            return found
+        call = scan_call_object(text, pos)
+        found.calls.append(call.call)
+        if call.invalid or call.end is None:
+            found.malformed = call.invalid or final
+            return found
+        pos = skip_space(text, call.end)
+        if text.startswith(",", pos):
+            pos = skip_space(text, pos + 1)
+        elif text.startswith("]", pos):
+            found.tail = pos + 1
+            return found
+        elif pos < len(text):
+            found.malformed = True
+            return found
+    if final and not found.calls:
+        found.malformed = True
+    return found

@@ -11,7 +11,7 @@ from typing import Any
 
 from triollm.tool_parsers.abstract import ToolParserManager
 from triollm.tool_parsers.incremental import CallScan, IncrementalToolParser, Scan, join_content
-from triollm.tool_parsers.json_calls import decode_json, scan_call_object, skip_space
+from triollm.tool_parsers.json_calls import CallList, decode_json, scan_call_list, skip_space
 
 __all__ = ["MistralToolParser", "mistral_tool_call_id"]
 
@@ -25,46 +25,8 @@ def mistral_tool_call_id() -> str:
     return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
 
-class _Calls:
-    """Calls read so far and where the text after them starts."""
-
-    def __init__(self) -> None:
-        self.calls: list[CallScan] = []
-        self.tail: int | None = None
-        self.malformed = False
-
-
-def _json_list(text: str, pos: int, final: bool) -> _Calls:
-    found = _Calls()
-    pos = skip_space(text, pos + 1)
-    while pos < len(text):
-        if text[pos] == "]" and not found.calls:
-            found.tail = pos + 1
-            return found
-        if text[pos] != "{":
-            found.malformed = True
-            return found
-        call = scan_call_object(text, pos)
-        found.calls.append(call.call)
-        if call.invalid or call.end is None:
-            found.malformed = call.invalid or final
-            return found
-        pos = skip_space(text, call.end)
-        if text.startswith(",", pos):
-            pos = skip_space(text, pos + 1)
-        elif text.startswith("]", pos):
-            found.tail = pos + 1
-            return found
-        elif pos < len(text):
-            found.malformed = True
-            return found
-    if final and not found.calls:
-        found.malformed = True
-    return found
-
-
-def _named_calls(text: str, pos: int, final: bool) -> _Calls:
-    found = _Calls()
+def _named_calls(text: str, pos: int, final: bool) -> CallList:
+    found = CallList()
     while True:
         arguments_at = text.find(ARGS, pos)
         if arguments_at == -1:
@@ -113,7 +75,7 @@ class MistralToolParser(IncrementalToolParser):
         if pos == len(text):
             return Scan(join_content(before, "", any_call=True, final=final, tags=()),
                         malformed=final)
-        found = (_json_list if text[pos] == "[" else _named_calls)(text, pos, final)
+        found = (scan_call_list if text[pos] == "[" else _named_calls)(text, pos, final)
         tail = "" if found.tail is None else text[found.tail:]
         content = join_content(before, tail, any_call=True, final=final, tags=(BOT,))
         return Scan(content, found.calls, found.malformed)
