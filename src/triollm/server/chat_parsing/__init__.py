@@ -8,7 +8,6 @@ from triollm.server.chat_parsing.plan import (
     chat_parsing,
     check_tool_flags,
 )
-from triollm.server.chat_parsing.required_stream import RequiredCallStream
 
 __all__ = ["AUTO_NEEDS_PARSER", "ChatParsing", "ChoiceReader", "ReadChoice",
-           "RequiredCallStream", "chat_parsing", "check_tool_flags"]
+           "chat_parsing", "check_tool_flags"]

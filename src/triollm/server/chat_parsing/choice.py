@@ -8,16 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from triollm.server.chat_parsing.plan import ChatParsing
-from triollm.server.chat_parsing.required_stream import RequiredCallStream
 from triollm.server.protocol import DeltaMessage
-from triollm.tool_parsers.tool_choice import required_tool_calls
-from triollm.tool_parsers.types import (
-    DeltaFunctionCall,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCall,
-    make_tool_call_id,
-)
+from triollm.tool_parsers import ToolParser
+from triollm.tool_parsers.constrained import NamedToolCallParser, RequiredToolCallParser
+from triollm.tool_parsers.tool_choice import tool_calls_from_output
+from triollm.tool_parsers.types import DeltaFunctionCall, DeltaToolCall, ToolCall
 
 __all__ = ["ChoiceReader", "ReadChoice"]
 
@@ -45,16 +40,19 @@ class ChoiceReader:
         self.reasoning = (plan.reasoning_parser(
             tokenizer, chat_template_kwargs=plan.request.chat_template_kwargs)
             if plan.reasoning_parser else None)
-        self.tools = (plan.tool_parser(tokenizer) if plan.tool_parser is not None
-                      else None)
-        self.required = RequiredCallStream() if plan.tool_choice == "required" else None
+        self.tools: ToolParser | None = None
+        if plan.tool_choice == "auto" and plan.tool_parser is not None:
+            self.tools = plan.tool_parser(tokenizer)
+        elif plan.tool_choice == "required":
+            self.tools = RequiredToolCallParser(tokenizer)
+        elif plan.tool_choice == "named":
+            self.tools = NamedToolCallParser(tokenizer, plan.named or "")
         self.in_reasoning = (self.reasoning is not None
                              and not self.reasoning.is_reasoning_end(list(prompt_token_ids)))
         self.text = ""
         self.token_ids: list[int] = []
         self.content_text = ""
         self.content_ids: list[int] = []
-        self.named_sent = False
         #: Tool-call fragments were sent (the stream's finish reason becomes tool_calls).
         self.streamed_calls = False
 
@@ -74,16 +72,11 @@ class ChoiceReader:
                 return ReadChoice(reasoning, found.content,
                                   self._kept(found.tool_calls), called=True)
             return ReadChoice(reasoning, content)
-        if choice == "named":
-            call = ToolCall(function=FunctionCall(name=self.plan.named or "",
-                                                  arguments=content or ""))
-            return ReadChoice(reasoning, "", [call])
-        if choice == "required":
-            try:
-                calls = required_tool_calls(content or "")
-            except ValueError:  # cut short (max_tokens): the text is all there is
+        if choice in ("named", "required"):
+            calls = tool_calls_from_output(content or "", self.plan.request.tool_choice)
+            if not calls:  # cut short by max_tokens: the text is all there is
                 return ReadChoice(reasoning, content)
-            return ReadChoice(reasoning, "", self._kept(calls), called=True)
+            return ReadChoice(reasoning, "", self._kept(calls), called=choice == "required")
         return ReadChoice(reasoning, content)
 
     def _kept(self, calls: list[ToolCall]) -> list[ToolCall]:
@@ -123,33 +116,17 @@ class ChoiceReader:
         previous_text, previous_ids = self.content_text, list(self.content_ids)
         self.content_text += text
         self.content_ids.extend(token_ids)
-        choice = self.plan.tool_choice
-        if choice == "auto" and self.tools is not None:
-            found = self.tools.extract_tool_calls_streaming(
-                previous_text, self.content_text, text, previous_ids, self.content_ids,
-                token_ids, self.plan.request)
-            if found is not None:
-                delta.content = found.content
-                calls = [call for call in found.tool_calls
-                         if self.plan.parallel_tool_calls or call.index == 0]
-                delta.tool_calls = calls or None
-        elif choice == "named":
-            if not text:
-                return
-            if self.named_sent:
-                delta.tool_calls = [DeltaToolCall(
-                    index=0, function=DeltaFunctionCall(arguments=text))]
-            else:
-                self.named_sent = True
-                delta.tool_calls = [DeltaToolCall(
-                    index=0, id=make_tool_call_id(), type="function",
-                    function=DeltaFunctionCall(name=self.plan.named, arguments=text))]
-        elif choice == "required" and self.required is not None:
-            calls = [call for call in self.required.feed(text)
+        if self.tools is None:
+            delta.content = text
+            return
+        found = self.tools.extract_tool_calls_streaming(
+            previous_text, self.content_text, text, previous_ids, self.content_ids,
+            token_ids, self.plan.request)
+        if found is not None:
+            delta.content = found.content
+            calls = [call for call in found.tool_calls
                      if self.plan.parallel_tool_calls or call.index == 0]
             delta.tool_calls = calls or None
-        else:
-            delta.content = text
 
     def finish(self) -> DeltaMessage | None:
         """At the end of an ``auto`` stream: what the tool parser held back (text that

@@ -66,7 +66,10 @@ def chat_parsing(body: ChatCompletionRequest, tokenizer: Any, *, tool_parser: st
                            reasoning_parser=reasoning)
     if choice in ("required", "named"):
         named = body.named_tool()
-        schema = tool_choice_schema(body.tools or [], body.tool_choice)
+        schema = tool_choice_schema(body.tools or [], body.tool_choice,
+                                    body.parallel_tool_calls)
+        if schema is None:
+            raise ValueError(f"tool_choice: {body.tool_choice!r} constrains nothing")
         return ChatParsing(body, tokenizer, choice,
                            named=named.get("name") if named is not None else None,
                            reasoning_parser=reasoning,
