@@ -46,7 +46,9 @@ def schema_of(params: StructuredOutputsParams) -> dict[str, Any] | bool:
     if params.json_object:
         return {"type": "object"}
     value = params.json
-    return json.loads(value) if isinstance(value, str) else copy.deepcopy(value)  # type: ignore[arg-type]
+    schema: dict[str, Any] | bool = (json.loads(value) if isinstance(value, str)
+                                     else copy.deepcopy(value or {}))
+    return schema
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",

@@ -47,21 +47,19 @@ class GuidanceMatcher:
 
 
 class GuidanceGrammar:
-    """A validated llguidance grammar (its serialized form: matchers parse it anew,
-    which llguidance does lazily and cheaply)."""
+    """A compiled llguidance grammar: a matcher at its start, which new matchers copy
+    (building one parses and compiles the grammar; a copy costs microseconds)."""
 
     backend = "guidance"
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, kind: str,
+    def __init__(self, prototype: llguidance.LLMatcher, kind: str,
                  compile_seconds: float) -> None:
-        self._tokenizer = tokenizer
-        self._grammar = grammar
+        self._prototype = prototype
         self.kind = kind
         self.compile_seconds = compile_seconds
 
     def matcher(self) -> GuidanceMatcher:
-        return GuidanceMatcher(llguidance.LLMatcher(self._tokenizer, self._grammar,
-                                                    log_level=0))
+        return GuidanceMatcher(self._prototype.deep_copy())
 
 
 class GuidanceBackend:
@@ -78,11 +76,10 @@ class GuidanceBackend:
                 ) -> GuidanceGrammar:
         started = time.perf_counter()
         grammar = self._serialize(params, options)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise ValueError(error.strip())
-        return GuidanceGrammar(self.tokenizer, grammar, params.kind,
-                               time.perf_counter() - started)
+        prototype = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if prototype.is_error():
+            raise ValueError(str(prototype.get_error()).strip())
+        return GuidanceGrammar(prototype, params.kind, time.perf_counter() - started)
 
     def _serialize(self, params: StructuredOutputsParams, options: GrammarOptions) -> str:
         kind = params.kind

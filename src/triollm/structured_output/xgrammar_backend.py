@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 import xgrammar
 
 from triollm.structured_output.backend import (
@@ -20,24 +21,33 @@ from triollm.structured_output.backend import (
     schema_of,
     structural_tag_of,
 )
+from triollm.structured_output.bitmask import bitmask_words
 from triollm.structured_output.params import StructuredOutputsParams
 
 __all__ = ["XgrammarBackend", "XgrammarGrammar", "XgrammarMatcher"]
 
 
 class XgrammarMatcher:
-    """One sample's ``xgrammar.GrammarMatcher``."""
+    """One sample's ``xgrammar.GrammarMatcher``. Once it has accepted an end-of-sequence
+    token it allows only those (xgrammar itself refuses to compute a mask then; a
+    sample held by ``min_tokens`` may still be sampled)."""
 
-    __slots__ = ("_matcher",)
+    __slots__ = ("_eos_row", "_matcher")
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgrammar.GrammarMatcher, eos_row: torch.Tensor) -> None:
         self._matcher = matcher
+        self._eos_row = eos_row
 
     def accept_token(self, token_id: int) -> bool:
+        if self._matcher.is_terminated():
+            return bool(int(self._eos_row[token_id // 32]) >> (token_id % 32) & 1)
         return bool(self._matcher.accept_token(token_id))
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._matcher.is_terminated():
+            bitmask[row].copy_(self._eos_row)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
@@ -48,14 +58,15 @@ class XgrammarGrammar:
 
     backend = "xgrammar"
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar, kind: str,
+    def __init__(self, compiled: xgrammar.CompiledGrammar, eos_row: torch.Tensor, kind: str,
                  compile_seconds: float) -> None:
         self._compiled = compiled
+        self._eos_row = eos_row
         self.kind = kind
         self.compile_seconds = compile_seconds
 
     def matcher(self) -> XgrammarMatcher:
-        return XgrammarMatcher(xgrammar.GrammarMatcher(self._compiled))
+        return XgrammarMatcher(xgrammar.GrammarMatcher(self._compiled), self._eos_row)
 
 
 #: xgrammar's errors start with a timestamp and its C++ source position.
@@ -73,8 +84,14 @@ class XgrammarBackend:
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        eos_token_ids = sorted(eos_token_ids)
         info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids) or None)
+            tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids or None)
+        words = torch.zeros(bitmask_words(vocab_size), dtype=torch.int64)
+        for token in eos_token_ids:
+            words[token // 32] |= 1 << (token % 32)
+        #: The mask that allows only the end-of-sequence tokens.
+        self._eos_row = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
         # The engine caches compiled grammars itself.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
@@ -87,7 +104,8 @@ class XgrammarBackend:
             compiled = self._compile(params, options)
         except (RuntimeError, TypeError) as error:
             raise ValueError(_LOG_PREFIX.sub("", str(error).strip())) from None
-        return XgrammarGrammar(compiled, params.kind, time.perf_counter() - started)
+        return XgrammarGrammar(compiled, self._eos_row, params.kind,
+                               time.perf_counter() - started)
 
     def _compile(self, params: StructuredOutputsParams, options: GrammarOptions
                  ) -> xgrammar.CompiledGrammar:

@@ -234,8 +234,8 @@ class TorchModelRunner:
             ]
             row_index = torch.tensor([last_row[i] for i in sample_items], device=logits.device)
             grammar_mask = masks.wait()
-            for row, error in masks.errors.items():
-                output.failed[items[sample_items[row]].request_id] = error
+            for row, mask_error in masks.errors.items():
+                output.failed[items[sample_items[row]].request_id] = mask_error
             for i, (token, token_lp) in self._sample_rows(
                     logits[row_index], rows, sample_items, items, output,
                     grammar_mask).items():
@@ -245,9 +245,9 @@ class TorchModelRunner:
                 state = self._requests[request_id]
                 state.output_token_ids.append(token)
                 if state.grammar is not None:
-                    error = state.grammar.accept(state.output_token_ids)
-                    if error is not None:
-                        output.failed[request_id] = error
+                    rejected = state.grammar.accept(state.output_token_ids)
+                    if rejected is not None:
+                        output.failed[request_id] = rejected
                         continue
                 output.sampled_token_ids[request_id] = token
                 if token_lp is not None:

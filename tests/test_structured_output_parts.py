@@ -1,0 +1,161 @@
+"""The parts of constrained decoding on their own: the batched bitmask against a
+bit-by-bit reading, the compiler's choice of backend, fallback and cache, each kind
+of constraint on each backend, and the reasoning gate."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from triollm.config import StructuredOutputsConfig
+from triollm.reasoning import ReasoningParser
+from triollm.structured_output import StructuredOutputsParams
+from triollm.structured_output.bitmask import allocate_bitmask, apply_bitmask
+from triollm.structured_output.compiler import GrammarCompiler
+from triollm.structured_output.reasoning_gate import ReasoningGate
+
+HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None
+BACKENDS = ["guidance", pytest.param("xgrammar", marks=pytest.mark.skipif(
+    not HAS_XGRAMMAR, reason="xgrammar is not installed"))]
+VOCAB = 520  # wider than the tokenizer, as a model's logits often are
+EOS = 2
+
+
+@given(st.data())
+@settings(max_examples=60, deadline=None)
+def test_the_bitmask_masks_exactly_the_clear_bits(data: st.DataObject) -> None:
+    rows = data.draw(st.integers(1, 6))
+    vocab = data.draw(st.integers(1, 200))
+    constrained = data.draw(st.lists(st.integers(0, rows - 1), unique=True, max_size=rows))
+    words = (vocab + 31) // 32
+    bitmask = torch.tensor(data.draw(st.lists(
+        st.lists(st.integers(-2**31, 2**31 - 1), min_size=words, max_size=words),
+        min_size=len(constrained), max_size=len(constrained))), dtype=torch.int32
+    ).reshape(len(constrained), words)
+    logits = torch.randn(rows, vocab)
+    expected = logits.clone()
+    for i, row in enumerate(constrained):
+        for token in range(vocab):
+            if not (int(bitmask[i, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    apply_bitmask(logits, bitmask, constrained)
+    assert torch.equal(logits, expected)
+
+
+def compiler(tokenizer: Any, backend: str = "auto", **options: Any) -> GrammarCompiler:
+    return GrammarCompiler(StructuredOutputsConfig(backend=backend, **options), tokenizer,
+                           VOCAB, [EOS])
+
+
+def walk(tokenizer: Any, grammar: Any, text: str) -> tuple[bool, list[int]]:
+    """Feed ``text``'s tokens to a new matcher: whether all were accepted, and the
+    tokens allowed after them."""
+    matcher = grammar.matcher()
+    accepted = all(matcher.accept_token(t) for t in tokenizer.encode(text))
+    bitmask = allocate_bitmask(1, VOCAB)
+    matcher.fill_bitmask(bitmask, 0)
+    allowed = [t for t in range(VOCAB) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+    return accepted, allowed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("constraint", "good", "bad"), [
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}},
+               "required": ["a"]}}, '{"a": 12}', '{"b": 1}'),
+    ({"json_object": True}, '{"x": [1, 2]}', '[1]'),
+    ({"regex": r"\d{3}"}, "123", "12a"),
+    ({"choice": ["red", "blue"]}, "blue", "green"),
+    ({"grammar": 'root ::= "a"+ "b"'}, "aaab", "ba"),
+    ({"structural_tag": json.dumps({
+        "type": "structural_tag", "triggers": ["<fn="],
+        "structures": [{"begin": "<fn=f>", "end": "</fn>",
+                        "schema": {"type": "object", "properties": {
+                            "x": {"type": "integer"}}, "required": ["x"]}}]})},
+     'hi <fn=f>{"x": 1}</fn>', '<fn=f>{"y": 1}'),
+], ids=["json", "json_object", "regex", "choice", "grammar", "structural_tag"])
+def test_each_backend_compiles_each_kind(tokenizer: Any, backend: str,
+                                         constraint: dict[str, Any], good: str,
+                                         bad: str) -> None:
+    grammar, cached = compiler(tokenizer, backend).compile(StructuredOutputsParams(**constraint))
+    assert (grammar.backend, grammar.kind, cached) == (backend, next(iter(constraint)), False)
+    accepted, allowed = walk(tokenizer, grammar, good)
+    assert accepted
+    if constraint.get("structural_tag") is None:
+        assert EOS in allowed  # complete: the engine's EOS ends it
+    assert not walk(tokenizer, grammar, bad)[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_json_options_close_objects_and_drop_whitespace(tokenizer: Any, backend: str) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    closed = compiler(tokenizer, backend, disable_additional_properties=True).compile(
+        StructuredOutputsParams(json=schema))[0]
+    assert not walk(tokenizer, closed, '{"a": 1, "b": 2}')[0]
+    compact = compiler(tokenizer, backend).compile(
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True))[0]
+    assert not walk(tokenizer, compact, '{  "a": 1}')[0]
+
+
+def test_auto_falls_back_to_guidance_for_what_xgrammar_does_not_take(tokenizer: Any) -> None:
+    lark = compiler(tokenizer).compile(StructuredOutputsParams(grammar='start: "a"+'))[0]
+    assert lark.backend == "guidance"
+    pattern = compiler(tokenizer).compile(StructuredOutputsParams(
+        json={"type": "array"}, whitespace_pattern=r"[ ]?"))[0]
+    assert pattern.backend == "guidance"
+    plain = compiler(tokenizer).compile(StructuredOutputsParams(regex="a+"))[0]
+    assert plain.backend == ("xgrammar" if HAS_XGRAMMAR else "guidance")
+
+
+@pytest.mark.skipif(not HAS_XGRAMMAR, reason="xgrammar is not installed")
+def test_disable_fallback_refuses_what_the_first_backend_cannot_take(tokenizer: Any) -> None:
+    with pytest.raises(ValueError, match=r"^structured_outputs\.grammar: xgrammar: .*Lark"):
+        compiler(tokenizer).compile(StructuredOutputsParams(grammar='start: "a"+',
+                                                            disable_fallback=True))
+    with pytest.raises(ValueError, match=r"^structured_outputs\.grammar: xgrammar: "):
+        compiler(tokenizer, disable_fallback=True).compile(
+            StructuredOutputsParams(grammar='start: "a"+'))
+
+
+def test_the_cache_is_keyed_by_the_constraint_and_bounded(tokenizer: Any) -> None:
+    grammars = GrammarCompiler(StructuredOutputsConfig(backend="guidance"), tokenizer, VOCAB,
+                               [EOS], cache_size=2)
+    first, cached = grammars.compile(StructuredOutputsParams(regex="a"))
+    assert not cached
+    again, cached = grammars.compile(StructuredOutputsParams(regex="a"))
+    assert cached and again is first
+    # the same regex with other options is another grammar
+    assert not grammars.compile(StructuredOutputsParams(regex="a",
+                                                        disable_any_whitespace=True))[1]
+    grammars.compile(StructuredOutputsParams(regex="b"))  # evicts the least recent
+    assert not grammars.compile(StructuredOutputsParams(regex="a"))[1]
+    stats = grammars.statistics()
+    assert (stats.hits, stats.misses, stats.size) == (1, 4, 2)
+
+
+def test_an_unknown_backend_is_refused(tokenizer: Any) -> None:
+    with pytest.raises(ValueError, match="backend: must be one of"):
+        compiler(tokenizer, "outlines")
+
+
+class EndsWith9(ReasoningParser):
+    def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
+        return 9 in input_ids
+
+
+def test_the_reasoning_gate_asks_the_prompt_once_then_each_new_token() -> None:
+    parser = EndsWith9(None)
+    assert not ReasoningGate(parser, [1, 2]).ended_in_prompt
+    assert ReasoningGate(parser, [9, 1]).ended_in_prompt
+    gate = ReasoningGate(parser, [1])
+    assert [gate.ends_at([5] * n + [t]) for n, t in ((0, 3), (40, 4), (40, 9))] == [
+        False, False, True]
+    parser.end_token_id = 7  # type: ignore[attr-defined]
+    by_id = ReasoningGate(parser, [1])
+    assert (by_id.ends_at([9]), by_id.ends_at([1, 7])) == (False, True)
