@@ -340,6 +340,26 @@ def test_include_reasoning_false_and_thinking_off(scripted: ThreadedServer,
     assert (message.model_extra or {}).get("reasoning") is None
 
 
+def test_constraint_and_tool_calls_start_after_the_reasoning(
+        scripted: ThreadedServer, speak: Any, no_spaces: dict[str, float]) -> None:
+    """The model reasons freely (the script), then the engine's grammar takes over from
+    the token after </think>: the calls come from the answer after the reasoning."""
+    speak("<think>Plan: call it.</think>")
+    client = client_of(scripted)
+    kwargs: Any = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                       max_tokens=200, temperature=1.0, seed=4, logit_bias=no_spaces)
+    whole = client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    assert (message.model_extra or {})["reasoning"] == "Plan: call it."
+    calls = whole_calls(message)
+    assert calls and whole.choices[0].finish_reason == "tool_calls"
+    for name, arguments in calls:
+        jsonschema.validate(arguments, SCHEMAS[name])
+    streamed, _, _, reasoning = streamed_calls(
+        client.chat.completions.create(**kwargs, stream=True))
+    assert (streamed, reasoning) == (calls, "Plan: call it.")
+
+
 # -- clients: LangChain and the OpenAI Agents SDK ------------------------------------------
 
 def test_langchain_bind_tools_round_trip(free: ThreadedServer,
