@@ -30,6 +30,7 @@ TEMPLATE = (
     "{% endfor %}{{ eos_token }}\n{% endif %}"
     "{% for message in messages %}<|{{ message['role'] }}|>\n"
     "{{ message['content'] or '' }}{{ eos_token }}\n{% endfor %}"
+    "{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}\n{% endif %}"
     "{% if add_generation_prompt %}<|assistant|>\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}"
@@ -239,6 +240,8 @@ def test_tool_choice_errors_name_the_field(free: ThreadedServer) -> None:
          "nope"),
         ({"tool_choice": "required"}, "tool_choice", "tools"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}],
+          "tool_choice": "none"}, "tools[0].function.name", "non-empty"),
     ]
     for kwargs, param, words in cases:
         with pytest.raises(openai.BadRequestError) as caught:
@@ -248,6 +251,16 @@ def test_tool_choice_errors_name_the_field(free: ThreadedServer) -> None:
     served = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3,
                                             tools=TOOLS, tool_choice="none")
     assert served.choices[0].message.tool_calls in (None, [])
+    # reasoning_effort reaches the chat template, as in vLLM; its values are vLLM's
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
+    effort = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                            reasoning_effort="high")
+    assert plain.usage and effort.usage
+    assert effort.usage.prompt_tokens > plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                       extra_body={"reasoning_effort": "extreme"})
+    assert (caught.value.body or {}).get("param") == "reasoning_effort"
     # the Responses API does not call tools here: refused by name, not ignored
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=MODEL, input="hi", max_output_tokens=2,

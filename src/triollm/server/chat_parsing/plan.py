@@ -11,7 +11,7 @@ from triollm.reasoning import ReasoningParser, ReasoningParserManager
 from triollm.server.protocol import ChatCompletionRequest
 from triollm.structured_output.params import StructuredOutputsParams
 from triollm.tool_parsers import ToolParser, ToolParserManager
-from triollm.tool_parsers.tool_choice import tool_choice_schema
+from triollm.tool_parsers.tool_choice import tool_choice_schema, validate_tools
 
 __all__ = ["AUTO_NEEDS_PARSER", "ChatParsing", "chat_parsing", "check_tool_flags"]
 
@@ -53,8 +53,9 @@ class ChatParsing:
 def chat_parsing(body: ChatCompletionRequest, tokenizer: Any, *, tool_parser: str | None,
                  enable_auto_tool_choice: bool, reasoning_parser: str | None) -> ChatParsing:
     """The reading of ``body``'s answers on a server with these settings. Raises
-    ``ValueError`` naming ``tool_choice`` for ``auto`` without a tool-call parser, as
-    vLLM does."""
+    ``ValueError`` naming the field for a malformed tool, and ``tool_choice`` for
+    ``auto`` without a tool-call parser, as vLLM does."""
+    validate_tools(body.tools)  # as vLLM's request model: each a function with a name
     choice = body.effective_tool_choice
     reasoning = (ReasoningParserManager.get_reasoning_parser(reasoning_parser)
                  if reasoning_parser else None)

@@ -36,8 +36,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     parallel_tool_calls: bool | None = None
     #: vLLM's field: false leaves the reasoning (under --reasoning-parser) out of the reply.
     include_reasoning: bool = True
-    #: Passed to the chat template as ``reasoning_effort``, as vLLM does.
-    reasoning_effort: str | None = None
+    #: Passed to the chat template as ``reasoning_effort``, as vLLM does (its values).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                              "max"] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
