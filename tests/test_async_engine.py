@@ -429,7 +429,7 @@ async def test_vllms_introspection_and_default_params() -> None:
         assert await engine.get_lora_config() is None
         assert await engine.is_tracing_enabled() is False
         assert (await engine.get_parallel_config()).world_size == 1
-        assert (await engine.get_decoding_config()).backend == "none"
+        assert await engine.get_decoding_config() is engine.config.structured_outputs
         assert engine.get_default_sampling_params() == SamplingParams()
         outputs = [o async for o in engine.generate({"prompt_token_ids": [1, 2, 3]}, None,
                                                     "defaults")]

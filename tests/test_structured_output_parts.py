@@ -159,3 +159,47 @@ def test_the_reasoning_gate_asks_the_prompt_once_then_each_new_token() -> None:
     parser.end_token_id = 7  # type: ignore[attr-defined]
     by_id = ReasoningGate(parser, [1])
     assert (by_id.ends_at([9]), by_id.ends_at([1, 7])) == (False, True)
+
+
+WALK_SCHEMA = {"type": "object", "additionalProperties": False,
+               "properties": {"k": {"enum": ["a", "bc"]},
+                              "v": {"type": "array", "maxItems": 3,
+                                    "items": {"type": "integer", "minimum": 0,
+                                              "maximum": 50}}},
+               "required": ["k", "v"]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(choices=st.lists(st.integers(0, 2**16), min_size=80, max_size=80))
+@settings(max_examples=15, deadline=None)
+def test_every_token_a_mask_allows_is_accepted_and_eos_ends_a_valid_output(
+        tokenizer: Any, backend: str, choices: list[int]) -> None:
+    """A random walk through the grammar, one allowed token at a time: the matcher
+    accepts each, and the walk that reaches EOS has written valid JSON."""
+    import jsonschema
+
+    grammar = _walk_grammars(tokenizer, backend)
+    matcher = grammar.matcher()
+    bitmask = allocate_bitmask(1, VOCAB)
+    tokens: list[int] = []
+    for choice in choices:
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = [t for t in range(VOCAB) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+        assert allowed and all(t < len(tokenizer) for t in allowed)
+        token = allowed[choice % len(allowed)]
+        assert matcher.accept_token(token)
+        if token == EOS:
+            jsonschema.validate(json.loads(tokenizer.decode(tokens)), WALK_SCHEMA)
+            assert matcher.is_terminated()
+            return
+        tokens.append(token)
+
+
+_GRAMMARS: dict[str, Any] = {}
+
+
+def _walk_grammars(tokenizer: Any, backend: str) -> Any:
+    if backend not in _GRAMMARS:
+        _GRAMMARS[backend] = compiler(tokenizer, backend).compile(StructuredOutputsParams(
+            json=WALK_SCHEMA, disable_any_whitespace=True))[0]
+    return _GRAMMARS[backend]
