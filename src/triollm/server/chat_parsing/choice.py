@@ -129,10 +129,9 @@ class ChoiceReader:
             delta.tool_calls = calls or None
 
     def finish(self) -> DeltaMessage | None:
-        """At the end of an ``auto`` stream: what the tool parser held back (text that
-        could have opened a call, a call's last fragment). A parser that does not say
-        (one written for vLLM) is asked as vLLM does: the arguments it parsed but has
-        not streamed."""
+        """At the end of a stream: what the tool parser held back (text that could have
+        opened a call, a call's last fragment). A parser that does not say (one written
+        for vLLM) is asked as vLLM does: the arguments it parsed but has not streamed."""
         tools = self.tools
         if tools is None or self.in_reasoning:
             return None
