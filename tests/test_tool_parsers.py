@@ -230,6 +230,17 @@ def test_malformed_calls_stay_content(tool_tokenizer: Any, name: str, text: str)
     check(name, tool_tokenizer, text, [], text, malformed=True)
 
 
+def test_text_that_could_open_a_call_waits_for_the_next_delta(tool_tokenizer: Any) -> None:
+    p = make("hermes", tool_tokenizer)
+    delta = p.extract_tool_calls_streaming("", "x < 5 <tool_", "x < 5 <tool_", [], [], [],
+                                           Request())
+    assert delta is not None and delta.content == "x < 5 "
+    assert p.extract_tool_calls_streaming("x < 5 <tool_", "x < 5 <tool_c", "c", [], [], [],
+                                          Request()) is None
+    end = p.finish_streaming("x < 5 <tool_c", Request())
+    assert end is not None and end.content == "<tool_c" and end.tool_calls == []
+
+
 def test_mistral_ids_are_nine_letters_and_digits(tool_tokenizer: Any) -> None:
     info = make("mistral", tool_tokenizer).extract_tool_calls(MISTRAL[0][0], Request())
     streamed = make("mistral", tool_tokenizer).extract_tool_calls_streaming(
@@ -255,10 +266,10 @@ PIECES = [*'{}[]":,;()=<>/ \nab1', *SPECIAL, "<function=", "<parameter=", "</par
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(PARSERS), st.lists(st.sampled_from(PIECES), max_size=40),
-       st.lists(st.integers(1, 8), max_size=30))
-def test_no_text_makes_a_parser_raise(name: str, pieces: list[str], sizes: list[int]) -> None:
-    tok, text = _TOKENIZER[0], "".join(pieces)
+@given(st.sampled_from(PARSERS), st.lists(st.sampled_from(PIECES), max_size=40).map("".join)
+       | st.text(max_size=80), st.lists(st.integers(1, 8), max_size=30))
+def test_no_text_makes_a_parser_raise(name: str, text: str, sizes: list[int]) -> None:
+    tok = _TOKENIZER[0]
     make(name, tok).extract_tool_calls(text, Request())
     p, previous, pos = make(name, tok), "", 0
     for size in [*sizes, len(text)]:

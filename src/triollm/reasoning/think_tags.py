@@ -48,23 +48,16 @@ class ThinkTagReasoningParser(ReasoningParser):
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         # The last tag decides: a multi-turn prompt holds earlier turns' </think>, and
         # a template that opens this turn's reasoning ends the prompt with <think>.
-        for token_id in reversed(input_ids):
-            if token_id == self.end_token_id:
-                return True
-            if token_id == self.start_token_id:
-                return False
-        return False
+        backwards = list(input_ids)[::-1]
+        end = _index(backwards, self.end_token_id)
+        return end != -1 and not -1 < _index(backwards, self.start_token_id) < end
 
     def extract_content_ids(self, input_ids: Sequence[int]) -> list[int]:
         ids = list(input_ids)
-        start = len(ids) - 1
-        while start >= 0 and ids[start] != self.start_token_id:
-            start -= 1
-        try:
-            end = ids.index(self.end_token_id, start + 1)  # type: ignore[arg-type]
-        except ValueError:
-            return []
-        return ids[end + 1:]
+        start = _index(ids[::-1], self.start_token_id)
+        after_start = 0 if start == -1 else len(ids) - start
+        end = _index(ids, self.end_token_id, after_start)
+        return [] if end == -1 else ids[end + 1:]
 
     def unfinished(self, text: str) -> tuple[str | None, str | None]:
         """The split of an output with no ``end_token``: all reasoning."""
@@ -100,3 +93,11 @@ def _extension(old: str, new: str) -> str | None:
     if len(new) > len(old) and new.startswith(old):
         return new[len(old):]
     return None
+
+
+def _index(ids: list[int], token: int | None, start: int = 0) -> int:
+    """Where ``token`` first is in ``ids[start:]`` (list.index: a C loop), or -1."""
+    try:
+        return ids.index(token, start) if token is not None else -1
+    except ValueError:
+        return -1

@@ -99,16 +99,16 @@ def scan_call_object(text: str, start: int) -> ObjectScan:
     """Read the call object that starts at ``text[start]`` (a ``{``); ``text`` ends where
     the call's region ends (or where the stream is so far)."""
     name, arguments_start = _raw_arguments_start(text, start)
+    raw = decode_json(text, arguments_start) if arguments_start is not None else None
+    if arguments_start is not None and raw is None:
+        return ObjectScan(CallScan(name, text[arguments_start:]))  # the object is not whole
     whole = decode_json(text, start)
     if whole is not None:
         value, end = whole
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return ObjectScan(CallScan(), end, invalid=True)
-        if arguments_start is not None:
-            raw = decode_json(text, arguments_start)
-            if raw is not None:
-                return ObjectScan(CallScan(value["name"], text[arguments_start:raw[1]], True),
-                                  end)
+        if arguments_start is not None and raw is not None:
+            return ObjectScan(CallScan(value["name"], text[arguments_start:raw[1]], True), end)
         arguments = arguments_json(value.get("arguments", value.get("parameters")))
         if arguments is None:
             return ObjectScan(CallScan(), end, invalid=True)
@@ -116,12 +116,9 @@ def scan_call_object(text: str, start: int) -> ObjectScan:
     if name is None:
         name = _partial_name(text, start) if '"name"' in text[start:] else None
         return ObjectScan(CallScan(name))
-    if arguments_start is None:
+    if arguments_start is None or raw is None:
         return ObjectScan(CallScan(name))
-    raw = decode_json(text, arguments_start)
-    if raw is not None:
-        return ObjectScan(CallScan(name, text[arguments_start:raw[1]], True))
-    return ObjectScan(CallScan(name, text[arguments_start:]))
+    return ObjectScan(CallScan(name, text[arguments_start:raw[1]], True))
 
 
 class CallList:

@@ -69,33 +69,57 @@ def _call(source: str) -> CallScan | None:
         return None
 
 
-def _elements(text: str, pos: int) -> tuple[list[tuple[int, int]], int, int | None]:
-    """The list's elements that ``text[pos:]`` (after its ``[``) holds whole, as spans;
-    where the unfinished element starts; and the index after ``]`` once the list closes."""
-    spans: list[tuple[int, int]] = []
-    depth, quote, start, i = 0, "", pos, pos
-    while i < len(text):
-        char = text[i]
-        if quote:
-            if char == "\\":
-                i += 1
-            elif char == quote:
-                quote = ""
-        elif char in "\"'":
-            quote = char
-        elif char in "([{":
-            depth += 1
-        elif char in ")}" or (char == "]" and depth > 0):
-            depth -= 1
-        elif char == "]":
-            if text[start:i].strip():
-                spans.append((start, i))
-            return spans, i, i + 1
-        elif char == "," and depth == 0:
-            spans.append((start, i))
-            start = i + 1
-        i += 1
-    return spans, start, None
+class _ListReader:
+    """Reads the list's elements: the spans of those it holds whole, where the
+    unfinished one starts, and the index after ``]`` once the list closes. While
+    streaming the text only grows, so each read goes on where the last one stopped."""
+
+    def __init__(self, origin: int = -1) -> None:
+        self.origin = origin
+        self.seen = ""
+        self.i = self.start = origin + 1
+        self.depth = 0
+        self.quote = ""
+        self.spans: list[tuple[int, int]] = []
+        self.closed_at: int | None = None
+        self.calls: dict[tuple[int, int], CallScan | None] = {}
+
+    def read(self, text: str, origin: int) -> _ListReader:
+        reader = self if origin == self.origin and text.startswith(self.seen) else \
+            _ListReader(origin)
+        reader._advance(text)
+        return reader
+
+    def call(self, text: str, span: tuple[int, int]) -> CallScan | None:
+        if span not in self.calls:
+            self.calls[span] = _call(text[span[0]:span[1]])
+        return self.calls[span]
+
+    def _advance(self, text: str) -> None:
+        i, depth, quote = self.i, self.depth, self.quote
+        while i < len(text) and self.closed_at is None:
+            char = text[i]
+            if quote:
+                if char == "\\":
+                    i += 1
+                elif char == quote:
+                    quote = ""
+            elif char in "\"'":
+                quote = char
+            elif char in "([{":
+                depth += 1
+            elif char in ")}" or (char == "]" and depth > 0):
+                depth -= 1
+            elif char == "]":
+                if text[self.start:i].strip():
+                    self.spans.append((self.start, i))
+                self.start, self.closed_at = i, i + 1
+            elif char == "," and depth == 0:
+                self.spans.append((self.start, i))
+                self.start = i + 1
+            i += 1
+        self.i, self.depth, self.quote = i, depth, quote
+        self.seen = text[:min(i, len(text))]
 
 
 @ToolParserManager.register_module("pythonic")
@@ -105,6 +129,10 @@ class PythonicToolParser(IncrementalToolParser):
     of literal values; text after the list is content. Any other output is content. A
     call streams once whole: its name as soon as it is written, then all its
     arguments."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self._reader = _ListReader()
 
     def scan(self, text: str, *, final: bool, request: Any) -> Scan:
         pos = skip_space(text, 0)
@@ -116,8 +144,9 @@ class PythonicToolParser(IncrementalToolParser):
             return Scan(text if final else "")
         if text[pos] != "[":
             return Scan(text)
-        spans, open_at, closed_at = _elements(text, pos + 1)
-        calls = [_call(text[start:end]) for start, end in spans]
+        self._reader = reader = self._reader.read(text, pos)
+        open_at, closed_at = reader.start, reader.closed_at
+        calls = [reader.call(text, span) for span in reader.spans]
         if any(call is None for call in calls):
             return Scan(text, [], malformed=True)  # a list, but not of calls
         found = [call for call in calls if call is not None]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from triollm.tool_parsers.abstract import ToolParserManager
@@ -130,7 +130,8 @@ def _strip_newline(value: str) -> str:
     return value[:-1] if value.endswith("\n") else value
 
 
-def _function(body: str, whole: bool, request: Any) -> CallScan | None:
+def _function(body: str, whole: bool, properties_of: Callable[[str], dict[str, Any]]
+              ) -> CallScan | None:
     """The call in one ``<tool_call>`` region (None: it is not one)."""
     opened = body.find(FUNCTION)
     head_end = body.find(">", opened + len(FUNCTION)) if opened != -1 else -1
@@ -139,7 +140,7 @@ def _function(body: str, whole: bool, request: Any) -> CallScan | None:
     name = body[opened + len(FUNCTION):head_end]
     if not name or _BAD_NAME & set(name):
         return None
-    properties = tool_properties(request, name)
+    properties = properties_of(name)
     pairs: list[str] = []
     pos, closed = head_end + 1, whole
     while True:
@@ -172,12 +173,22 @@ class Qwen3CoderToolParser(IncrementalToolParser):
 
     keep_special_tokens = True
 
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self._properties: dict[tuple[int, str], dict[str, Any]] = {}
+
     def scan(self, text: str, *, final: bool, request: Any) -> Scan:
+        def properties_of(name: str) -> dict[str, Any]:
+            key = (id(request), name)
+            if key not in self._properties:  # read the tools once per stream, not per delta
+                self._properties[key] = tool_properties(request, name)
+            return self._properties[key]
+
         before, regions, after = tagged_regions(text, START, END, final=final)
         calls: list[CallScan] = []
         malformed = False
         for body, closed in regions:
-            call = _function(body, closed or final, request)
+            call = _function(body, closed or final, properties_of)
             malformed = malformed or call is None
             calls.append(call or CallScan())
         content = join_content(before, after, any_call=bool(calls), final=final,
