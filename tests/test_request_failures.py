@@ -131,10 +131,10 @@ def sampling_breaks_on_seed_13(monkeypatch: pytest.MonkeyPatch) -> None:
     has sampled two tokens already (so a stream of it has started)."""
     real_sample = torch_runner.sample
 
-    def sample(logits: Any, rows: list[Any], generator: Any) -> Any:
+    def sample(logits: Any, rows: list[Any], generator: Any, grammar_mask: Any = None) -> Any:
         if any(row.params.seed == 13 and len(row.output_token_ids) >= 2 for row in rows):
             raise RuntimeError("sampling broke on seed 13")
-        return real_sample(logits, rows, generator)
+        return real_sample(logits, rows, generator, grammar_mask)
 
     monkeypatch.setattr(torch_runner, "sample", sample)
 

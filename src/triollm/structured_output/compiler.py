@@ -18,11 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from triollm.config import StructuredOutputsConfig
-from triollm.structured_output.backend import (
-    GrammarBackend,
-    GrammarOptions,
-    UnsupportedConstraint,
-)
+from triollm.structured_output.backend import GrammarBackend, GrammarOptions
 from triollm.structured_output.grammar import CompiledGrammar
 from triollm.structured_output.params import StructuredOutputsParams
 
@@ -114,14 +110,9 @@ class GrammarCompiler:
         for name in candidates:
             try:
                 grammar = self._backend(name).compile(params, options)
-            except UnsupportedConstraint as error:
+            except ValueError as error:  # UnsupportedConstraint included
+                # auto: what xgrammar cannot compile llguidance may take (vLLM's fallback)
                 errors.append(f"{name}: {error}")
-            except ValueError as error:
-                # auto: a constraint xgrammar cannot compile may still be one that
-                # llguidance takes (vLLM's fallback)
-                errors.append(f"{name}: {error}")
-                if no_fallback:
-                    break
             else:
                 with self._lock:
                     self._cache[(name, key)] = grammar
