@@ -233,3 +233,39 @@ def test_llm_refuses_async_scheduling_naming_it() -> None:
 
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(async_scheduling=True)
+
+
+def test_tool_and_reasoning_flags_reach_the_server_and_the_engine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    engine, options = parse("m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                            "--reasoning-parser", "qwen3", "--enable-reasoning")
+    assert (options.enable_auto_tool_choice, options.tool_call_parser) == (True, "hermes")
+    assert engine.reasoning_parser == "qwen3"
+    plugin = tmp_path / "my_parser.py"
+    plugin.write_text(
+        "from triollm.tool_parsers import ToolParser, ToolParserManager\n"
+        "@ToolParserManager.register_module('my_calls')\n"
+        "class MyCalls(ToolParser):\n    pass\n")
+    _, options = parse("m", "--tool-parser-plugin", str(plugin), "--tool-call-parser",
+                       "my_calls", "--enable-auto-tool-choice")
+    assert options.tool_call_parser == "my_calls"
+    from triollm.cli import main
+
+    for argv, named in [
+            (["--tool-call-parser", "nope"], "nope"),
+            (["--enable-auto-tool-choice"], "--tool-call-parser"),
+            (["--enable-reasoning"], "--reasoning-parser"),
+            (["--tool-parser-plugin", str(tmp_path / "missing.py")], "missing.py")]:
+        assert main(["serve", "m", *argv]) == 2
+        assert named in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"reasoning_parser.*nope"):
+        AsyncEngineArgs(model="m", reasoning_parser="nope").create_engine_config()
+
+
+def test_tool_flags_vllm_does_not_build_here_are_refused_with_the_reason(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--tool-server", "--tool-strict-level"):
+        with pytest.raises(SystemExit) as exited:
+            parse("m", flag, "x")
+        assert exited.value.code == 2
+        assert "not supported by triollm" in capsys.readouterr().err

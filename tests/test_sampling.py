@@ -94,6 +94,15 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     assert out.token_ids == tokens[: first + 1]
     assert out.finish_reason == "stop"
     assert out.stop_reason == stop_token
+    # as vLLM: the stop token's text is left out, unless include_stop_str_in_output
+    tokenizer = llm.get_tokenizer()
+    kept = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16,
+                                               stop_token_ids=[stop_token],
+                                               include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert tokenizer.decode(tokens[:first]).startswith(out.text)
+    assert kept.text == tokenizer.decode(tokens[: first + 1])
+    assert len(kept.text) > len(out.text) and kept.text.startswith(out.text)
     held = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, min_tokens=8,
                                                stop_token_ids=[stop_token]),
                         use_tqdm=False)[0].outputs[0]

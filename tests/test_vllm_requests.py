@@ -276,7 +276,7 @@ def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
     ({"use_beam_search": True}, "use_beam_search"),
     ({"logprob_token_ids": [5]}, "logprob_token_ids"),
     ({"truncation_side": "right"}, "truncation_side"),
-    ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"thinking_token_budget": 64}, "thinking_token_budget"),
 ])
 def test_fields_that_would_be_dropped_are_refused_by_name(
         client: openai.OpenAI, extra: dict[str, Any], param: str) -> None:

@@ -28,7 +28,6 @@ _KERNELS = "vLLM's kernel, CUDA-graph and compilation settings have no counterpa
 _TRACING = ("NVTX and trace-replay tracing are not supported (OpenTelemetry is: "
             "--otlp-traces-endpoint)")
 _METRICS = "this metric is not implemented"
-_TOOLS = "this server has no tool-call or reasoning parser"
 _SPEC = "speculative decoding is not supported"
 _OFFLOAD = "weight and KV-cache offloading are not supported"
 _DISAGG = "disaggregated serving (KV, encoder-cache and weight transfer) is not supported"
@@ -180,17 +179,18 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
     **_values("the assistant's role is always 'assistant'", "--response-role",
               neutral=("assistant",)),
     **_values("the scheduler is triollm's own", "--scheduler-cls"),
-    **_values(_PLUGINS, "--worker-cls", "--worker-extension-cls", "--model-class-overrides",
-              "--tool-parser-plugin", "--reasoning-parser-plugin", "--tool-server"),
+    **_values(_PLUGINS, "--worker-cls", "--worker-extension-cls", "--model-class-overrides"),
+    **_values("built-in tool servers (MCP, browsing, code interpreter) for /v1/responses "
+              "are not supported", "--tool-server"),
     # features of other model kinds
     **_values(_MAMBA, "--mamba-backend", "--mamba-block-size", "--mamba-cache-dtype",
               "--mamba-cache-mode", "--mamba-cache-philox-rounds", "--mamba-ssm-cache-dtype",
               "--mamba-ssu-algorithm", "--replayssm-buffer-len"),
     **_switches(_MAMBA, "--enable-mamba-cache-stochastic-rounding",
                 "--enable-mamba-shared-prefix-checkpoint", "--use-replayssm"),
-    **_values(_TOOLS, "--tool-call-parser", "--reasoning-parser", "--reasoning-config",
-              "--tool-strict-level"),
-    **_switches(_TOOLS, "--enable-auto-tool-choice"),
+    **_values(_NOT_IMPLEMENTED + ": thinking budgets are not supported", "--reasoning-config"),
+    **_values(_NOT_IMPLEMENTED + ': tool calls under tool_choice "auto" are parsed, not '
+              "constrained", "--tool-strict-level"),
     **_values(_SPEC, "--speculative-config", "--spec-method", "--spec-model",
               "--spec-tokens"),
     **_values(_OFFLOAD, "--cpu-offload-gb", neutral=("0",)),
@@ -223,7 +223,6 @@ OLDER_VLLM_FLAGS: dict[str, RefusedFlag] = {
     **_values("vLLM renamed it --pooler-config; pass that", "--override-pooler-config"),
     **_values(_SPEC, "--speculative-model", "--num-speculative-tokens",
               "--num-lookahead-slots"),
-    **_switches(_TOOLS, "--enable-reasoning"),
     **_values(_NOT_IMPLEMENTED + ": change the model's config.json instead",
               "--rope-scaling", "--rope-theta"),
     **_values(_NOT_IMPLEMENTED, "--tokenizer-pool-size", neutral=("0",)),

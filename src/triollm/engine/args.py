@@ -7,6 +7,7 @@ in ``triollm.config``, which stays free of transformers).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from triollm.engine.resolve import (
     resolve_device,
     resolve_dtype,
     resolve_max_model_len,
+    resolve_reasoning_parser,
     resolve_runner,
     structured_outputs_config,
 )
@@ -119,6 +121,12 @@ class EngineArgs:
     #: Older vLLM's spelling of the backend: ``NAME[:option,...]`` (options
     #: ``no-fallback``, ``disable-any-whitespace``, ``no-additional-properties``).
     guided_decoding_backend: str | None = None
+    #: vLLM's --reasoning-parser: a name in ``ReasoningParserManager``. The server
+    #: splits the reasoning out of chat answers, and structured outputs apply once it
+    #: has ended.
+    reasoning_parser: str | None = None
+    #: vLLM's --reasoning-parser-plugin: a Python file that registers more parsers.
+    reasoning_parser_plugin: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
@@ -126,6 +134,9 @@ class EngineArgs:
         structured = guided_decoding_backend(
             structured_outputs_config(self.structured_outputs_config),
             self.guided_decoding_backend)
+        reasoning_parser = resolve_reasoning_parser(
+            self.reasoning_parser or structured.reasoning_parser, self.reasoning_parser_plugin)
+        structured = dataclasses.replace(structured, reasoning_parser=reasoning_parser)
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         # Imported here so that building arguments (``triollm serve --help``) does not

@@ -78,18 +78,22 @@ class OutputProcessor:
         a stop string or stop token id is recorded as the request's ``stop_reason``."""
         params = request.sampling_params
         assert params is not None, "pooling requests sample no tokens"
-        if request.detokenizer is not None:
-            stop = request.detokenizer.append_token(
-                token, check_stop=request.num_output_tokens >= params.min_tokens)
+        stops_here = request.num_output_tokens >= params.min_tokens
+        eos = stops_here and not params.ignore_eos and token in self.eos_token_ids
+        stop_token = stops_here and token in (params.stop_token_ids or ())
+        # As vLLM: the text of an eos or stop token is left out unless
+        # include_stop_str_in_output (it shows once skip_special_tokens is off).
+        if request.detokenizer is not None and not (
+                (eos or stop_token) and not params.include_stop_str_in_output):
+            stop = request.detokenizer.append_token(token, check_stop=stops_here)
             if stop is not None:
                 request.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in (params.stop_token_ids or ()):
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+        if eos:
+            return RequestStatus.FINISHED_STOPPED
+        if stop_token:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if request.num_tokens >= self.max_model_len:

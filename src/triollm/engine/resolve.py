@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["GENERATION_CONFIG_FIELDS", "context_length", "cpu_supports_bf16",
            "encoder_context_length", "fail", "generation_defaults", "json_object",
            "lora_config", "observability_config", "resolve_device", "resolve_dtype",
-           "resolve_max_model_len", "resolve_runner", "sampling_defaults"]
+           "resolve_max_model_len", "resolve_reasoning_parser", "resolve_runner",
+           "sampling_defaults"]
 
 logger = logging.getLogger(__name__)
 
@@ -368,3 +369,33 @@ def structured_outputs_config(value: StructuredOutputsConfig | Mapping[str, Any]
         raise fail(name, "reasoning_parser must be a parser's name")
     return config
 
+
+def resolve_reasoning_parser(name: str | None, plugin: str | None) -> str | None:
+    """``--reasoning-parser NAME`` checked against the registered parsers, after
+    ``--reasoning-parser-plugin FILE`` has registered its own."""
+    from triollm.reasoning import ReasoningParserManager
+
+    if plugin:
+        _run_plugin_file("reasoning_parser_plugin", plugin)
+    if not name:
+        return None
+    try:
+        ReasoningParserManager.get_reasoning_parser(name)
+    except KeyError as error:
+        raise fail("reasoning_parser", error.args[0]) from None
+    return name
+
+
+def _run_plugin_file(field_name: str, path: str) -> None:
+    """Run the Python file ``path`` as a module (its ``register_module`` calls register
+    parsers), as vLLM's plugin flags do."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if spec is None or spec.loader is None or not Path(path).is_file():
+        raise fail(field_name, f"cannot load {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)

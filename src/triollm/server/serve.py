@@ -45,6 +45,7 @@ from triollm.entrypoints.chat_utils import ContentFormat
 from triollm.server import protocol_errors
 from triollm.server.admission import Admission, AdmissionLimits
 from triollm.server.app import build_app
+from triollm.server.chat_parsing import check_tool_flags
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import (
     DEFAULT_BACKLOG,
@@ -120,6 +121,11 @@ class ServerOptions:
     owns_process: bool = False
     #: LoRA adapters served under their own names from the start (``--lora-modules``).
     lora_modules: tuple[LoRAModulePath, ...] = ()
+    #: vLLM's --enable-auto-tool-choice: tool_choice "auto" (and tools without a
+    #: tool_choice) read tool calls out of the text with ``tool_call_parser``.
+    enable_auto_tool_choice: bool = False
+    #: vLLM's --tool-call-parser: a name in ``ToolParserManager``.
+    tool_call_parser: str | None = None
 
 
 @dataclass
@@ -145,6 +151,7 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
                      ) -> None:
     """Load the model, serve until shut down, then stop everything; reports a
     ``ServerHandle`` once listening. Must run under trio (hypercorn's trio worker)."""
+    check_tool_flags(options.enable_auto_tool_choice, options.tool_call_parser)
     names = options.served_model_names or (engine.config.model.model,)
     metrics = None
     if engine.log_stats:  # as vLLM: --disable-log-stats turns off the metrics too
@@ -160,7 +167,8 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
         chat_template_content_format=options.chat_template_content_format,
         trust_request_chat_template=options.trust_request_chat_template,
         return_tokens_as_token_ids=options.return_tokens_as_token_ids,
-        cors=options.cors), metrics)
+        cors=options.cors, enable_auto_tool_choice=options.enable_auto_tool_choice,
+        tool_call_parser=options.tool_call_parser), metrics)
     app = Admission(build_app(state, api_docs=options.api_docs), AdmissionLimits(
         limit_concurrency=options.limit_concurrency,
         body_read_timeout=options.body_read_timeout,

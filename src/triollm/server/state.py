@@ -62,6 +62,9 @@ class ServerSettings:
     #: vLLM's --return-tokens-as-token-ids: logprob tokens as ``token_id:N``.
     return_tokens_as_token_ids: bool = False
     cors: CorsSettings = CorsSettings()
+    #: vLLM's --enable-auto-tool-choice and --tool-call-parser: tool_choice "auto".
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,12 @@ REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "watermarking": ((None,), "watermarking is not supported"),
     "logprob_token_ids": ((None, []), "not supported; use logprobs / top_logprobs"),
     "prompt_embeds": ((None,), "prompt embeddings are not supported"),
-    "reasoning_effort": ((None,), "this server has no reasoning parser"),
-    "thinking_token_budget": ((None,), "this server has no reasoning parser"),
-    "include_reasoning": ((True, None), "this server has no reasoning parser"),
+    # chat completions declare the first two (honoured there); elsewhere they ask for
+    # what only chat does
+    "reasoning_effort": ((None,), "only /v1/chat/completions passes it to a chat template"),
+    "include_reasoning": ((True, None), "only /v1/chat/completions splits reasoning "
+                                        "(--reasoning-parser)"),
+    "thinking_token_budget": ((None,), "a thinking budget is not supported"),
     "media_io_kwargs": ((None, {}), "this server serves text-only models"),
     "mm_processor_kwargs": ((None, {}), "this server serves text-only models"),
     "return_mm_kwargs": ((None, False), "this server serves text-only models"),

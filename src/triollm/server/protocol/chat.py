@@ -15,6 +15,7 @@ from triollm.server.protocol.base import (
     UsageInfo,
 )
 from triollm.server.protocol.sampling import SamplingRequest
+from triollm.tool_parsers.types import DeltaToolCall, ToolCall
 
 __all__ = ["ChatChoice", "ChatCompletionChunk", "ChatCompletionRequest",
            "ChatCompletionResponse", "ChatLogprobs", "ChatMessageOut", "ChatStreamChoice",
@@ -33,25 +34,54 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     echo: bool = False
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    #: vLLM's field: false leaves the reasoning (under --reasoning-parser) out of the reply.
+    include_reasoning: bool = True
+    #: Passed to the chat template as ``reasoning_effort``, as vLLM does (its values).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                              "max"] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
-        # As vLLM: tools without a tool_choice mean "auto". This server has no tool-call
-        # parser (vLLM's --enable-auto-tool-choice) and no structured output, so only
-        # "none" is served; the tools still reach the chat template.
         if self.tools == []:
             raise ValueError("tools: must not be an empty list (omit the field instead)")
+        self.named_tool()  # a named tool_choice is well formed and names one of the tools
         choice = self.tool_choice
-        if choice is None and self.tools:
-            choice = "auto"
-        if choice is not None and choice != "none":
-            if not self.tools:
-                raise ValueError("tool_choice: given without tools")
-            shown = choice if isinstance(choice, str) else "a named tool"
-            raise ValueError(f"tool_choice: {shown!r} is not supported (this server has no "
-                             f"tool-call parser); send tool_choice 'none' or no tools")
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise ValueError(f"tool_choice: expected 'none', 'auto', 'required' or "
+                             f"{{'type': 'function', 'function': {{'name': ...}}}}, got "
+                             f"{choice!r}")
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice: when using `tool_choice`, `tools` must be set")
+
+    @property
+    def effective_tool_choice(self) -> str:
+        """``none``, ``auto``, ``required`` or ``named``; as in vLLM, tools without a
+        tool_choice mean ``auto`` and no tools mean ``none``."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice if isinstance(choice, str) else "named"
+
+    def named_tool(self) -> dict[str, Any] | None:
+        """The tool a named ``tool_choice`` picks (its ``function`` object), or None for
+        a string choice. Raises ``ValueError`` for a malformed one or a name not in
+        ``tools``."""
+        choice = self.tool_choice
+        if not isinstance(choice, dict):
+            return None
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ValueError("tool_choice: a named tool choice is {'type': 'function', "
+                             "'function': {'name': NAME}}")
+        for tool in self.tools or []:
+            described = tool.get("function")
+            if isinstance(described, dict) and described.get("name") == name:
+                return described
+        raise ValueError(f"tool_choice: tool {name!r} has not been passed in `tools`")
+
 
 class TopLogprob(BaseModel):
     token: str
@@ -70,6 +100,10 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    #: The reasoning under --reasoning-parser, under both of vLLM's names.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -95,6 +129,9 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -40,11 +40,14 @@ class ResponsesRequest(CheckedRequest):
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id: this server does not store responses")
         if self.tools:
-            raise ValueError("tools: this server has no tool-call parser")
+            raise ValueError("tools: not supported on /v1/responses; /v1/chat/completions "
+                             "serves tool calls")
         if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: this server has no tool-call parser")
+            raise ValueError("tool_choice: not supported on /v1/responses; "
+                             "/v1/chat/completions serves tool calls")
         if self.reasoning:
-            raise ValueError("reasoning: this server has no reasoning parser")
+            raise ValueError("reasoning: not supported on /v1/responses; "
+                             "/v1/chat/completions splits reasoning (--reasoning-parser)")
 
     def structured_output(self) -> Constraint | None:
         """The constraint ``text.format`` asks for (None: free text); ``ValueError``

@@ -3,6 +3,8 @@ streamed or not."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -11,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from triollm.entrypoints.chat_utils import normalize_messages
 from triollm.outputs import RequestOutput
+from triollm.server.chat_parsing import ChatParsing, ChoiceReader, chat_parsing
 from triollm.server.errors import bad_request
 from triollm.server.formatting import (
     chat_logprobs,
@@ -48,11 +51,23 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
     model = state.check_request(body)
+    try:
+        plan = chat_parsing(
+            body, state.engine.tokenizer, tool_parser=state.settings.tool_call_parser,
+            enable_auto_tool_choice=state.settings.enable_auto_tool_choice,
+            reasoning_parser=state.engine.config.structured_outputs.reasoning_parser)
+    except ValueError as error:
+        raise bad_request(error) from error
+    if plan.tool_choice == "auto" and plan.tool_parser is not None:
+        plan.tool_parser(plan.tokenizer).adjust_request(body)
+    template_kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is not None:  # as vLLM: the template reads it
+        template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     token_ids = await state.render_chat_or_400(body.messages, ChatRendering(
         chat_template=body.chat_template, add_generation_prompt=body.generation_prompt,
         continue_final_message=body.continue_final_message,
         add_special_tokens=body.add_special_tokens, tools=body.tools,
-        documents=body.documents, chat_template_kwargs=body.chat_template_kwargs))
+        documents=body.documents, chat_template_kwargs=template_kwargs))
     top = body.top_logprobs or 0
     try:
         constraint = body.structured_output(state.engine.config.structured_outputs.backend)
@@ -60,6 +75,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             max_tokens=body.max_completion_tokens or body.max_tokens,
             logprobs=top if body.logprobs else None,
             defaults=state.engine.config.model.generation_defaults, structured=constraint)
+        if plan.constraint is not None:  # a required or named tool choice wins, as vLLM
+            params = dataclasses.replace(params, structured_outputs=plan.constraint)
     except ValueError as error:
         raise bad_request(error) from error
     include_usage, continuous_usage = usage_options(body)
@@ -72,7 +89,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     work = await generation_request(state, request, body, [{"prompt_token_ids": token_ids}], params,
                               request_id_for(request, body, "chatcmpl"), reply,
                               constraint.field if constraint else None)
-    return await respond(state.engine, work, _events, _reply)
+    return await respond(state.engine, work, functools.partial(_events, plan),
+                         functools.partial(_reply, plan))
 
 
 def _echoed_text(body: ChatCompletionRequest) -> str:
@@ -85,16 +103,29 @@ def _echoed_text(body: ChatCompletionRequest) -> str:
     return str(message["content"])
 
 
-def _reply(request: GenerationRequest, finals: list[RequestOutput]) -> JSONResponse:
+def _reply(plan: ChatParsing, request: GenerationRequest, finals: list[RequestOutput]
+           ) -> JSONResponse:
     reply = request.reply
     [final] = finals
-    choices = [ChatChoice(
-        index=c.index, message=ChatMessageOut(content=reply.echoed_text + c.text),
-        logprobs=chat_logprobs(c, reply.logprobs, reply.tokens_as_ids)
-        if reply.logprobs is not None else None,
-        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-        token_ids=list(c.token_ids) if reply.return_token_ids else None)
-        for c in final.outputs]
+    choices = []
+    for c in final.outputs:
+        message = ChatMessageOut(content=reply.echoed_text + c.text)
+        finish_reason = c.finish_reason
+        if not plan.plain:
+            read = ChoiceReader(plan, final.prompt_token_ids).read(c.text)
+            message = ChatMessageOut(
+                content=read.content if read.content is None
+                else reply.echoed_text + read.content,
+                reasoning=read.reasoning, reasoning_content=read.reasoning,
+                tool_calls=read.tool_calls)
+            if read.called and (plan.tool_choice == "auto" or finish_reason == "stop"):
+                finish_reason = "tool_calls"
+        choices.append(ChatChoice(
+            index=c.index, message=message,
+            logprobs=chat_logprobs(c, reply.logprobs, reply.tokens_as_ids)
+            if reply.logprobs is not None else None,
+            finish_reason=finish_reason, stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids) if reply.return_token_ids else None))
     return JSONResponse(ChatCompletionResponse(
         id=request.request_id, created=reply.created, model=reply.model, choices=choices,
         usage=usage([final]), prompt_logprobs=prompt_logprobs(reply, final),
@@ -102,9 +133,12 @@ def _reply(request: GenerationRequest, finals: list[RequestOutput]) -> JSONRespo
         else None).model_dump())
 
 
-async def _events(request: GenerationRequest, submitted: list[Submitted], emit: Emit) -> None:
+async def _events(plan: ChatParsing, request: GenerationRequest, submitted: list[Submitted],
+                  emit: Emit) -> None:
     reply = request.reply
     [item] = submitted
+    readers = None if plan.plain else [ChoiceReader(plan, item.first.prompt_token_ids)
+                                       for _ in range(reply.n)]
     counts = {"prompt": len(item.first.prompt_token_ids), "completion": 0}
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
@@ -129,11 +163,24 @@ async def _events(request: GenerationRequest, submitted: list[Submitted], emit: 
         async for output in outputs(item):
             for completion in output.outputs:
                 counts["completion"] += len(completion.token_ids)
+                finish_reason = completion.finish_reason
+                delta: DeltaMessage | None = DeltaMessage(content=completion.text)
+                if readers is not None:
+                    reader = readers[completion.index]
+                    delta = reader.delta(completion.text, completion.token_ids)
+                    if finish_reason is not None:
+                        delta = _merged(delta, reader.finish())
+                        if (reader.streamed_calls and plan.tool_choice != "named"
+                                and finish_reason == "stop"):
+                            finish_reason = "tool_calls"
+                    if (delta is None and finish_reason is None and reply.logprobs is None
+                            and not reply.return_token_ids):
+                        continue  # nothing to send yet (a parser holds the text back)
                 await emit(chunk([ChatStreamChoice(
-                    index=completion.index, delta=DeltaMessage(content=completion.text),
+                    index=completion.index, delta=delta or DeltaMessage(),
                     logprobs=chat_logprobs(completion, reply.logprobs, reply.tokens_as_ids)
                     if reply.logprobs is not None else None,
-                    finish_reason=completion.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=completion.stop_reason,
                     token_ids=list(completion.token_ids) if reply.return_token_ids
                     else None)]))
@@ -142,3 +189,16 @@ async def _events(request: GenerationRequest, submitted: list[Submitted], emit: 
     if reply.include_usage:
         await emit(chunk([], usage_info(counts["prompt"], counts["completion"])))
     await emit("[DONE]")
+
+
+def _merged(delta: DeltaMessage | None, more: DeltaMessage | None) -> DeltaMessage | None:
+    """``delta`` with the content and tool-call fragments of ``more`` after its own."""
+    if more is None:
+        return delta
+    if delta is None:
+        return more
+    if more.content is not None:
+        delta.content = (delta.content or "") + more.content
+    if more.tool_calls:
+        delta.tool_calls = [*(delta.tool_calls or []), *more.tool_calls]
+    return delta
