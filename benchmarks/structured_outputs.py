@@ -16,6 +16,9 @@ triollm vllm`` runs the same workload, each engine in its own process, through v
 CPU build too (same model, same schema, its ``structured_outputs_config`` backend), so
 both engines' ratios come from one run.
 
+``loop``: the event loop's lateness (a 1 ms sleep in a loop) while ``AsyncLLMEngine``
+compiles a large schema for a request, against the same request without one.
+
 ``mask``: ``apply_bitmask`` (triollm's batched unpack and masked fill) against
 xgrammar's ``apply_token_bitmask_inplace_cpu`` on ``[rows, vocab]`` float32 logits.
 
@@ -23,6 +26,7 @@ xgrammar's ``apply_token_bitmask_inplace_cpu`` on ``[rows, vocab]`` float32 logi
     python benchmarks/structured_outputs.py --vocab-size 151936
     python benchmarks/structured_outputs.py --engines triollm vllm \
         --vllm-python "$(../shared/anchors/vllm_cpu/setup.sh)"
+    python benchmarks/structured_outputs.py loop --fields 100 400
     python benchmarks/structured_outputs.py mask --vocab-size 151936 --rows 1 16
 """
 
@@ -136,6 +140,61 @@ def run(args: argparse.Namespace) -> None:
                       f"tok/s ({rate['json'] / rate['none']:.3f}x)", flush=True)
 
 
+def large_schema(fields: int) -> dict[str, Any]:
+    """An object of ``fields`` properties, each a string pattern, a bounded integer array
+    or an enum: slow to compile in both backends."""
+    return {"type": "object", "properties": {
+        f"field_{i}": {"anyOf": [
+            {"type": "string", "pattern": f"[a-z]{{1,{i % 7 + 1}}}"},
+            {"type": "array", "items": {"type": "integer", "minimum": i, "maximum": i * 37 + 5}},
+            {"enum": [f"v{i}_{j}" for j in range(8)]}]}
+        for i in range(fields)}, "required": [f"field_{i}" for i in range(0, fields, 3)]}
+
+
+def loop(args: argparse.Namespace) -> None:
+    """How late a 1 ms sleep on the event loop wakes while the async engine compiles a
+    large schema (and generates one token), against the same wait with no compile."""
+    import trio
+
+    from triollm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
+    from triollm.structured_output import StructuredOutputsParams
+
+    async def ticker(lateness: list[float]) -> None:
+        while True:
+            start = time.perf_counter()
+            await trio.sleep(0.001)
+            lateness.append(time.perf_counter() - start - 0.001)
+
+    async def main(directory: str) -> None:
+        engine_args = AsyncEngineArgs(model=directory, max_model_len=512, enforce_eager=True,
+                                      structured_outputs_config={"backend": args.backend})
+        async with AsyncLLMEngine.from_engine_args(engine_args) as engine:
+            for fields in args.fields:
+                params = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(
+                    json=large_schema(fields)))
+                plain = SamplingParams(max_tokens=1)
+                figures = {}
+                for name, chosen in (("none", plain), ("schema", params)):
+                    lateness: list[float] = []
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(ticker, lateness)
+                        await trio.sleep(0.05)
+                        start = time.perf_counter()
+                        async for _ in engine.generate("hello", chosen, f"{name}-{fields}"):
+                            pass
+                        figures[name] = (time.perf_counter() - start, max(lateness))
+                        nursery.cancel_scope.cancel()
+                (plain_s, plain_late), (schema_s, schema_late) = figures["none"], figures["schema"]
+                print(f"{fields:4d} fields ({args.backend}): request {schema_s * 1000:7.1f} ms "
+                      f"with the schema (compile included), {plain_s * 1000:6.1f} ms without; "
+                      f"largest tick lateness {schema_late * 1000:6.1f} ms vs "
+                      f"{plain_late * 1000:6.1f} ms", flush=True)
+
+    with tempfile.TemporaryDirectory() as directory:
+        save_llama(directory)
+        trio.run(main, directory)
+
+
 def mask(args: argparse.Namespace) -> None:
     import torch
 
@@ -162,7 +221,9 @@ def mask(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", nargs="?", choices=("run", "mask"), default="run")
+    parser.add_argument("what", nargs="?", choices=("run", "mask", "loop"), default="run")
+    parser.add_argument("--fields", type=int, nargs="+", default=[100, 400],
+                        help="loop: the large schema's property counts")
     parser.add_argument("--backend", default="auto", choices=("auto", "xgrammar", "guidance"))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--output-len", type=int, default=128)
@@ -179,6 +240,8 @@ def main() -> None:
     if args.child:
         engine, model_dir, options = args.child
         measure(engine, model_dir, json.loads(options))
+    elif args.what == "loop":
+        loop(args)
     elif args.what == "mask":
         args.vocab_size = args.vocab_size or 151936
         args.repeats = max(args.repeats, 50)

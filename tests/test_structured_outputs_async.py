@@ -81,11 +81,13 @@ async def _finals(path: Path, async_scheduling: bool) -> list[list[str]]:
     prompts = ["a", "bb cc", "one two three", "x y"]
     params = [constrained(temperature=0), constrained(seed=1, n=2),
               constrained(seed=2, logprobs=1), constrained(seed=3, max_tokens=5)]
-    finals: dict[int, Any] = {}
+    # an n > 1 request's outputs carry the samples that changed: keep each one's last
+    finals: dict[int, dict[int, str]] = {index: {} for index in range(len(prompts))}
 
     async def consume(engine: AsyncLLMEngine, index: int) -> None:
         async for output in engine.generate(prompts[index], params[index], str(index)):
-            finals[index] = output
+            for completion in output.outputs:
+                finals[index][completion.index] = completion.text
 
     args = engine_args(path, async_scheduling=async_scheduling, max_num_batched_tokens=16,
                        block_size=4)
@@ -93,7 +95,7 @@ async def _finals(path: Path, async_scheduling: bool) -> list[list[str]]:
         async with anyio.create_task_group() as tasks:
             for index in range(len(prompts)):
                 tasks.start_soon(consume, engine, index)
-    return [[c.text for c in finals[i].outputs] for i in range(len(prompts))]
+    return [[texts[n] for n in sorted(texts)] for texts in finals.values()]
 
 
 async def test_asynchronous_scheduling_keeps_every_matcher_current(llama_path: Path) -> None:
