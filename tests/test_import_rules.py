@@ -106,7 +106,7 @@ EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
     "triollm.structured_output.params", "triollm.structured_output.grammar",
     "triollm.structured_output.reasoning_gate", "triollm.structured_output.backend",
     *modules_under("triollm.tool_parsers"), *modules_under("triollm.reasoning"),
-    "triollm.entrypoints.openai.tool_parsers",
+    "triollm.entrypoints.openai.tool_parsers", "triollm.parser_registry",
 ])
 def test_scheduling_code_imports_neither_torch_nor_an_event_loop(module: str) -> None:
     assert forbidden(module, ("torch", "transformers", *EVENT_LOOPS)) == []

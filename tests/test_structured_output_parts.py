@@ -92,6 +92,19 @@ def test_each_backend_compiles_each_kind(tokenizer: Any, backend: str,
     assert not walk(tokenizer, grammar, bad)[0]
 
 
+def test_auto_closes_objects_as_vllms_auto_and_guidance_by_name_does_not(tokenizer: Any
+                                                                        ) -> None:
+    schema = StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}})
+    extra, listed_only = '{"a": 1, "b": 2}', '{"a": 1}'
+    auto = compiler(tokenizer).compile(schema)[0]
+    assert walk(tokenizer, auto, listed_only)[0] and not walk(tokenizer, auto, extra)[0]
+    assert walk(tokenizer, compiler(tokenizer, "guidance").compile(schema)[0], extra)[0]
+    opened = StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}, "additionalProperties": True})
+    assert walk(tokenizer, compiler(tokenizer).compile(opened)[0], extra)[0]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_json_options_close_objects_and_drop_whitespace(tokenizer: Any, backend: str) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}

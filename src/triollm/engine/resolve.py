@@ -376,7 +376,10 @@ def resolve_reasoning_parser(name: str | None, plugin: str | None) -> str | None
     from triollm.reasoning import ReasoningParserManager
 
     if plugin:
-        _run_plugin_file("reasoning_parser_plugin", plugin)
+        try:
+            ReasoningParserManager.import_reasoning_parser(plugin)
+        except ValueError as error:
+            raise fail("reasoning_parser_plugin", str(error)) from None
     if not name:
         return None
     try:
@@ -384,18 +387,3 @@ def resolve_reasoning_parser(name: str | None, plugin: str | None) -> str | None
     except KeyError as error:
         raise fail("reasoning_parser", error.args[0]) from None
     return name
-
-
-def _run_plugin_file(field_name: str, path: str) -> None:
-    """Run the Python file ``path`` as a module (its ``register_module`` calls register
-    parsers), as vLLM's plugin flags do."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    if spec is None or spec.loader is None or not Path(path).is_file():
-        raise fail(field_name, f"cannot load {path!r}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from triollm.parser_registry import ParserRegistry, run_plugin_file
 from triollm.tool_parsers.types import DeltaMessage
 
 __all__ = ["ReasoningParser", "ReasoningParserManager"]
@@ -66,39 +67,30 @@ class ReasoningParser:
 
 
 _Parser = TypeVar("_Parser", bound=type[ReasoningParser])
+_REGISTRY = ParserRegistry("reasoning parser", ReasoningParser)
 
 
 class ReasoningParserManager:
-    """Parsers by name (``--reasoning-parser NAME``)."""
+    """Parsers by name (``--reasoning-parser NAME``); ``--reasoning-parser-plugin FILE``
+    loads a file that registers more with ``register_module``."""
 
-    reasoning_parsers: dict[str, type[ReasoningParser]] = {}
+    reasoning_parsers: dict[str, type[ReasoningParser]] = _REGISTRY.parsers
 
     @classmethod
     def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
-        try:
-            return cls.reasoning_parsers[name]
-        except KeyError:
-            known = ", ".join(sorted(cls.reasoning_parsers))
-            raise KeyError(f"reasoning parser {name!r} is not registered (known: "
-                           f"{known})") from None
+        return _REGISTRY.get(name)
 
     @classmethod
     def register_module(cls, name: str | Sequence[str] | None = None, force: bool = True,
                         module: type[ReasoningParser] | None = None
                         ) -> Callable[[_Parser], _Parser] | type[ReasoningParser]:
-        """Register a parser class under ``name`` (or its class name)."""
+        """Register a parser class under ``name`` (or its class name), as a decorator or
+        directly with ``module``."""
+        register = _REGISTRY.register(name, force)
+        return register if module is None else register(module)
 
-        def register(parser: _Parser) -> _Parser:
-            if not (isinstance(parser, type) and issubclass(parser, ReasoningParser)):
-                raise TypeError(f"{parser!r} is not a ReasoningParser subclass")
-            names = [parser.__name__] if name is None else (
-                [name] if isinstance(name, str) else list(name))
-            for each in names:
-                if not force and each in cls.reasoning_parsers:
-                    raise KeyError(f"reasoning parser {each!r} is already registered")
-                cls.reasoning_parsers[each] = parser
-            return parser
-
-        if module is not None:
-            return register(module)
-        return register
+    @classmethod
+    def import_reasoning_parser(cls, plugin_path: str) -> None:
+        """Run the Python file ``plugin_path``, whose ``register_module`` calls add its
+        parsers."""
+        run_plugin_file(plugin_path)

@@ -1,8 +1,9 @@
 """``GrammarCompiler``: one engine's constraints compiled once, cached, counted.
 
 It chooses the backend (``StructuredOutputsConfig.backend``: ``auto`` tries llguidance,
-then xgrammar where it is installed; ``disable_fallback`` refuses instead of trying the
-other), builds each backend's tokenizer data once (on the
+then xgrammar where it is installed, and closes JSON objects to the properties their
+schema lists unless it says otherwise, as vLLM's auto does; ``disable_fallback`` refuses
+instead of trying the other), builds each backend's tokenizer data once (on the
 first constraint it compiles), and keeps the compiled grammars in an LRU keyed by the
 constraint's ``cache_key()`` and the backend. Thread-safe: the async engine compiles in
 worker threads. An invalid constraint raises ``ValueError`` naming its field.
@@ -96,8 +97,11 @@ class GrammarCompiler:
         options = GrammarOptions(
             disable_any_whitespace=(params.disable_any_whitespace
                                     or self.config.disable_any_whitespace),
+            # auto closes objects whichever backend compiles, as vLLM's auto (xgrammar,
+            # strict) does; guidance chosen by name keeps JSON Schema's open default
             disable_additional_properties=(params.disable_additional_properties
-                                           or self.config.disable_additional_properties),
+                                           or self.config.disable_additional_properties
+                                           or self.config.backend == "auto"),
             whitespace_pattern=params.whitespace_pattern)
         no_fallback = params.disable_fallback or self.config.disable_fallback
         candidates = self.candidates

@@ -4,12 +4,10 @@ while it streams. Pure text work: no torch, no event loop."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
+from triollm.parser_registry import ParserRegistry, run_plugin_file
 from triollm.tool_parsers.types import DeltaMessage, ExtractedToolCallInformation
 
 __all__ = ["ToolParser", "ToolParserManager"]
@@ -68,21 +66,18 @@ class ToolParser:
 
 
 _Parser = TypeVar("_Parser", bound=type[ToolParser])
+_REGISTRY = ParserRegistry("tool parser", ToolParser)
 
 
 class ToolParserManager:
     """Parsers by name (``--tool-call-parser NAME``); ``--tool-parser-plugin FILE`` loads
     a file that registers more with ``register_module``."""
 
-    tool_parsers: dict[str, type[ToolParser]] = {}
+    tool_parsers: dict[str, type[ToolParser]] = _REGISTRY.parsers
 
     @classmethod
     def get_tool_parser(cls, name: str) -> type[ToolParser]:
-        try:
-            return cls.tool_parsers[name]
-        except KeyError:
-            known = ", ".join(sorted(cls.tool_parsers))
-            raise KeyError(f"tool parser {name!r} is not registered (known: {known})") from None
+        return _REGISTRY.get(name)
 
     @classmethod
     def register_module(cls, name: str | Sequence[str] | None = None, force: bool = True,
@@ -90,30 +85,11 @@ class ToolParserManager:
                         ) -> Callable[[_Parser], _Parser] | type[ToolParser]:
         """Register a parser class under ``name`` (or its class name), as a decorator or
         directly with ``module``."""
-
-        def register(parser: _Parser) -> _Parser:
-            if not (isinstance(parser, type) and issubclass(parser, ToolParser)):
-                raise TypeError(f"{parser!r} is not a ToolParser subclass")
-            names = [parser.__name__] if name is None else (
-                [name] if isinstance(name, str) else list(name))
-            for each in names:
-                if not force and each in cls.tool_parsers:
-                    raise KeyError(f"tool parser {each!r} is already registered")
-                cls.tool_parsers[each] = parser
-            return parser
-
-        if module is not None:
-            return register(module)
-        return register
+        register = _REGISTRY.register(name, force)
+        return register if module is None else register(module)
 
     @classmethod
     def import_tool_parser(cls, plugin_path: str) -> None:
         """Run the Python file ``plugin_path``, whose ``register_module`` calls add its
         parsers."""
-        path = Path(plugin_path)
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"--tool-parser-plugin: cannot load {plugin_path!r}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module
-        spec.loader.exec_module(module)
+        run_plugin_file(plugin_path)

@@ -92,7 +92,8 @@ def tool_choice_schema(tools: Sequence[Any] | None, tool_choice: Any,
 
     ``"required"``: a list (at least one call; at most one when ``parallel_tool_calls``
     is False) of ``{"name": <a tool's name>, "parameters": <its parameters>}``, one
-    ``anyOf`` alternative per tool, the tools' ``$defs`` gathered at the top. A named
+    ``anyOf`` alternative per tool (no other keys), the tools' ``$defs`` gathered at the
+    top. A named
     function: that function's parameters schema."""
     checked = validate_tools(tools)
     name = named_tool(tool_choice)
@@ -113,9 +114,12 @@ def tool_choice_schema(tools: Sequence[Any] | None, tool_choice: Any,
             if definitions.setdefault(key, definition) != definition:
                 raise ValueError(f"tools[{index}].function.parameters.$defs.{key}: another "
                                  "tool defines it differently")
+        # closed: under a backend that allows unlisted keys by default (llguidance), a
+        # call could otherwise carry keys that no tool call has
         alternatives.append({"properties": {
             "name": {"type": "string", "enum": [tool["function"]["name"]]},
-            "parameters": parameters}, "required": ["name", "parameters"]})
+            "parameters": parameters}, "required": ["name", "parameters"],
+            "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": {"type": "object", "anyOf": alternatives}}
     if parallel_tool_calls is False:
