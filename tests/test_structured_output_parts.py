@@ -18,8 +18,12 @@ from triollm.config import StructuredOutputsConfig
 from triollm.reasoning import ReasoningParser
 from triollm.structured_output import StructuredOutputsParams
 from triollm.structured_output.bitmask import allocate_bitmask, apply_bitmask
-from triollm.structured_output.compiler import GrammarCompiler
+from triollm.structured_output.compiler import MAX_ERROR_CHARS, GrammarCompiler
+from triollm.structured_output.params import MAX_JSON_DEPTH
 from triollm.structured_output.reasoning_gate import ReasoningGate
+
+if importlib.util.find_spec("xgrammar") is not None:
+    from triollm.structured_output.xgrammar_backend import MAX_PATTERN_NESTING
 
 HAS_XGRAMMAR = importlib.util.find_spec("xgrammar") is not None
 BACKENDS = ["guidance", pytest.param("xgrammar", marks=pytest.mark.skipif(
@@ -153,6 +157,54 @@ def test_the_cache_is_keyed_by_the_constraint_and_bounded(tokenizer: Any) -> Non
     assert not grammars.compile(StructuredOutputsParams(regex="a"))[1]
     stats = grammars.statistics()
     assert (stats.hits, stats.misses, stats.size) == (1, 4, 2)
+
+
+def nested_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_schema_nested_too_deeply_is_a_value_error_naming_its_field() -> None:
+    # each level is two JSON levels ({"properties": {"a": ...}})
+    deep = nested_schema(MAX_JSON_DEPTH // 2)
+    StructuredOutputsParams(json=nested_schema(MAX_JSON_DEPTH // 2 - 1))
+    far_too_deep = '{"items": ' * 5000 + "{}" + "}" * 5000  # deeper than json parses
+    for value in (deep, json.dumps(deep), far_too_deep):
+        with pytest.raises(ValueError, match=r"^structured_outputs\.json: nests .* 128 deep"):
+            StructuredOutputsParams(json=value)
+    tag = {"structures": [{"begin": "<a>", "schema": deep, "end": "</a>"}],
+           "triggers": ["<a>"]}
+    with pytest.raises(ValueError, match=r"^structured_outputs\.structural_tag: nests"):
+        StructuredOutputsParams(structural_tag=json.dumps(tag))
+
+
+@pytest.mark.skipif(not HAS_XGRAMMAR, reason="xgrammar is not installed")
+def test_a_pattern_nested_too_deeply_for_xgrammar_is_refused(tokenizer: Any) -> None:
+    # xgrammar compiles a pattern recursively: far deeper ones kill the process, so
+    # the backend refuses past its bound (llguidance refuses these itself)
+    def schema(depth: int) -> dict[str, Any]:
+        return {"type": "string", "pattern": "(" * depth + "a" + ")" * depth}
+
+    ok = compiler(tokenizer, "xgrammar").compile(
+        StructuredOutputsParams(json=schema(MAX_PATTERN_NESTING)))[0]
+    assert ok.backend == "xgrammar"
+    for params in (StructuredOutputsParams(json=schema(MAX_PATTERN_NESTING + 1)),
+                   StructuredOutputsParams(json={"type": "object", "patternProperties": {
+                       "(" * 300 + ")" * 300: {"type": "integer"}}})):
+        for backend in ("xgrammar", "auto"):
+            with pytest.raises(ValueError, match=r"(?s)^structured_outputs\.json: .*"
+                                                 r"xgrammar: a pattern nests groups"):
+                compiler(tokenizer, backend).compile(params)
+
+
+def test_a_backends_complaint_is_cut_short(tokenizer: Any) -> None:
+    huge = "(" * 100_000 + "a"
+    with pytest.raises(ValueError) as raised:
+        compiler(tokenizer).compile(StructuredOutputsParams(regex=huge))
+    assert str(raised.value).startswith("structured_outputs.regex: guidance: ")
+    assert len(str(raised.value)) < 2 * MAX_ERROR_CHARS + 200
 
 
 def test_an_unknown_backend_is_refused(tokenizer: Any) -> None:

@@ -30,6 +30,9 @@ BACKENDS = ("auto", "xgrammar", "guidance")
 
 #: How many compiled grammars an engine keeps (least recently used go first).
 DEFAULT_CACHE_SIZE = 256
+#: The most characters of a backend's complaint an error carries (some quote the
+#: whole regex or grammar they refused, which a client may have sent by the megabyte).
+MAX_ERROR_CHARS = 1000
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,10 @@ class GrammarCompiler:
                 grammar = self._backend(name).compile(params, options)
             except ValueError as error:  # UnsupportedConstraint included
                 # auto: what one backend cannot compile the other may take
-                errors.append(f"{name}: {error}")
+                message = str(error)
+                if len(message) > MAX_ERROR_CHARS:
+                    message = message[:MAX_ERROR_CHARS] + "..."
+                errors.append(f"{name}: {message}")
             else:
                 with self._lock:
                     self._cache[(name, key)] = grammar

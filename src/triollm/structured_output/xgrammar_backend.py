@@ -73,6 +73,46 @@ class XgrammarGrammar:
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
+#: How deeply a schema's regex (``pattern``) may nest its groups: xgrammar turns one
+#: into a grammar recursively, and a deeper one overflows its stack (the process dies).
+MAX_PATTERN_NESTING = 256
+
+
+def _group_depth(regex: str) -> int:
+    depth = deepest = 0
+    escaped = False
+    for char in regex:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _check_patterns(value: Any) -> None:
+    """``ValueError`` when a regex in ``value`` (a schema or a structural tag: each
+    ``pattern``, each key of ``patternProperties``) nests its groups too deeply."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            regexes = [item["pattern"]] if isinstance(item.get("pattern"), str) else []
+            if isinstance(item.get("patternProperties"), dict):
+                regexes.extend(item["patternProperties"])
+            for regex in regexes:
+                if _group_depth(regex) > MAX_PATTERN_NESTING:
+                    raise ValueError(f"a pattern nests groups more than "
+                                     f"{MAX_PATTERN_NESTING} deep")
+            stack.extend(item.values())
+
+
 def _ebnf_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
@@ -115,6 +155,7 @@ class XgrammarBackend:
             schema = schema_of(params)
             if options.disable_additional_properties:
                 close_objects(schema)
+            _check_patterns(schema)
             return self._compiler.compile_json_schema(json.dumps(schema),
                                                       any_whitespace=any_whitespace)
         if kind == "regex":
@@ -131,6 +172,7 @@ class XgrammarBackend:
                                             "...), not Lark")
             return self._compiler.compile_grammar(params.grammar)
         tag = structural_tag_of(params)
+        _check_patterns(tag)
         if "format" in tag:
             return self._compiler.compile_structural_tag(json.dumps(tag))
         items = [xgrammar.StructuralTagItem(begin=item["begin"],
