@@ -242,6 +242,10 @@ def test_tool_choice_errors_name_the_field(free: ThreadedServer) -> None:
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}],
           "tool_choice": "none"}, "tools[0].function.name", "non-empty"),
+        # a bad parameters schema: the grammar's compilation refuses it, naming tools
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer", "minimum": "zero"}}}}}],
+          "tool_choice": "required"}, "tools", "minimum"),
     ]
     for kwargs, param, words in cases:
         with pytest.raises(openai.BadRequestError) as caught:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from triollm.structured_output.params import check_json_depth
 from triollm.tool_parsers.constrained import NamedToolCallParser, RequiredToolCallParser
 from triollm.tool_parsers.types import FunctionCall, ToolCall
 
@@ -52,22 +53,16 @@ def validate_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
 
 
 def _check_schema(schema: Any, where: str) -> None:
+    # Not a full JSON Schema meta-validation (vLLM makes none either): that is pure
+    # Python, seconds for a schema of a few thousand properties, on the event loop. A
+    # required or named tool choice compiles the parameters, which refuses a bad schema.
     if not isinstance(schema, Mapping):
         raise ValueError(f"{where}: expected a JSON schema object, got "
                          f"{type(schema).__name__}")
     if schema.get("type", "object") != "object":
         raise ValueError(f"{where}.type: a function's parameters are an object, got "
                          f"{schema.get('type')!r}")
-    try:
-        import jsonschema
-    except ImportError:  # the checks above are all without it
-        return
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as error:
-        path = "".join(f".{part}" if isinstance(part, str) else f"[{part}]"
-                       for part in error.path)
-        raise ValueError(f"{where}{path}: not a valid JSON schema: {error.message}") from None
+    check_json_depth(schema, where)
 
 
 def named_tool(tool_choice: Any) -> str | None:

@@ -33,6 +33,7 @@ from triollm.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from triollm.server.protocol.structured import Constraint
 from triollm.server.request import (
     GenerationRequest,
     ReplyOptions,
@@ -88,9 +89,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         include_usage=include_usage, continuous_usage=continuous_usage)
     work = await generation_request(state, request, body, [{"prompt_token_ids": token_ids}], params,
                               request_id_for(request, body, "chatcmpl"), reply,
-                              constraint.field if constraint else None)
+                              _constraint_field(plan, constraint))
     return await respond(state.engine, work, functools.partial(_events, plan),
                          functools.partial(_reply, plan))
+
+
+def _constraint_field(plan: ChatParsing, constraint: Constraint | None) -> str | None:
+    """The body field an engine's complaint about the output's constraint names: the
+    tools' parameters for a required or named tool choice (which wins)."""
+    if plan.constraint is not None:
+        return "tools"
+    return constraint.field if constraint else None
 
 
 def _echoed_text(body: ChatCompletionRequest) -> str:
