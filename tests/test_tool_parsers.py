@@ -357,3 +357,58 @@ def test_streaming_in_any_cuts_gives_the_whole_outputs_calls(name: str, data: st
     chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True) if i < j]
     assert parsed(stream_chunks(name, tok, chunks)) == (expected, content or "")
     assert parsed(stream_chunks(name, tok, by_tokens(tok, text))) == (expected, content or "")
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "qwen3_coder",
+                                  "required"])
+def test_a_stream_of_many_calls_reads_each_finished_call_once(
+        tool_tokenizer: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # every delta re-reading every finished call cost time in the square of the answer
+    from triollm.tool_parsers import hermes, json_calls, llama3_json, qwen3_coder
+    from triollm.tool_parsers.constrained import RequiredToolCallParser
+
+    reads = [0]
+
+    def counted(module: Any, attribute: str) -> None:
+        original = getattr(module, attribute, None)
+        if original is None:
+            return
+
+        def count(*args: Any) -> Any:
+            reads[0] += 1
+            return original(*args)
+
+        monkeypatch.setattr(module, attribute, count)
+
+    counted(json_calls, "scan_call_object")
+    counted(hermes, "scan_call_object")
+    counted(llama3_json, "scan_call_object")
+    counted(qwen3_coder, "_function")
+    calls = [("get_weather", {"city": f"c{i}", "days": i}) for i in range(40)]
+    if name == "required":
+        text = json.dumps([{"name": n, "parameters": a} for n, a in calls])
+        parser: ToolParser = RequiredToolCallParser(tool_tokenizer)
+    else:
+        text = render(name, calls, "", "", False)[0]
+        parser = make(name, tool_tokenizer)
+    request, sent, previous = Request(), 0, ""
+    chunks = [text[i:i + 7] for i in range(0, len(text), 7)]
+    for chunk in chunks:
+        delta = parser.extract_tool_calls_streaming(previous, previous + chunk, chunk, [],
+                                                    [], [], request)
+        previous += chunk
+        sent += len(delta.tool_calls) if delta is not None else 0
+    parser.finish_streaming(text, request)
+    assert len(parser.prev_tool_call_arr) == len(calls)
+    assert [json.loads(call["arguments"]) for call in parser.prev_tool_call_arr] == [
+        a for _, a in calls]
+    assert reads[0] <= 2 * len(chunks) + len(calls)  # reading all of them: ~20 times that
+    # a text that does not extend the last one is read afresh
+    first = make(name, tool_tokenizer) if name != "required" else RequiredToolCallParser(
+        tool_tokenizer)
+    short = (json.dumps([{"name": n, "parameters": a} for n, a in calls[:2]])
+             if name == "required" else render(name, calls[:2], "", "", False)[0])
+    first.extract_tool_calls(text, request)
+    again = first.extract_tool_calls(short, request)
+    assert [json.loads(c.function.arguments) for c in again.tool_calls] == [
+        a for _, a in calls[:2]]

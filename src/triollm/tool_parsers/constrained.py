@@ -22,7 +22,7 @@ class RequiredToolCallParser(IncrementalToolParser):
             return Scan(malformed=final)
         if text[pos] != "[":
             return Scan(malformed=True)
-        found = scan_call_list(text, pos, final)
+        found = scan_call_list(text, pos, final, self.memo.reads_of(text, request))
         return Scan("", found.calls, found.malformed or (final and found.tail is None))
 
 

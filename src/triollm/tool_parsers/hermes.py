@@ -28,24 +28,32 @@ class Hermes2ProToolParser(IncrementalToolParser):
     keep_special_tokens = True
 
     def scan(self, text: str, *, final: bool, request: Any) -> Scan:
-        before, regions, after = tagged_regions(text, START, END, final=final)
+        reads = self.memo.reads_of(text, request)
+        before, regions, after = tagged_regions(text, START, END, final=final, reads=reads)
         calls: list[CallScan] = []
         malformed = False
-        for body, _ in regions:
-            start = skip_space(body, 0)
-            if start == len(body):
-                calls.append(CallScan())
-                continue
-            if body[start] != "{":
-                malformed = True
-                calls.append(CallScan())
-                continue
-            found = scan_call_object(body, start)
-            malformed = malformed or found.invalid or (
-                found.end is not None and body[found.end:].strip() != "")
-            calls.append(found.call)
+        for index, (body, closed) in enumerate(regions):
+            read = reads.get(index) if closed else None
+            if read is None:
+                read = _read_region(body)
+                if closed:  # a closed region reads the same in any longer text
+                    reads[index] = read
+            calls.append(read[0])
+            malformed = malformed or read[1]
         if final and any(call.name is None or not call.complete for call in calls):
             malformed = True
         content = join_content(before, after, any_call=bool(calls), final=final,
                                tags=(START,))
         return Scan(content, calls, malformed)
+
+
+def _read_region(body: str) -> tuple[CallScan, bool]:
+    """The call in one ``<tool_call>`` region, and whether it is malformed."""
+    start = skip_space(body, 0)
+    if start == len(body):
+        return CallScan(), False
+    if body[start] != "{":
+        return CallScan(), True
+    found = scan_call_object(body, start)
+    return found.call, found.invalid or (found.end is not None
+                                         and body[found.end:].strip() != "")

@@ -23,8 +23,8 @@ from triollm.tool_parsers.types import (
     make_tool_call_id,
 )
 
-__all__ = ["CallScan", "IncrementalToolParser", "Scan", "join_content", "tag_overlap",
-           "tagged_regions"]
+__all__ = ["CallScan", "IncrementalToolParser", "Scan", "ScanMemo", "join_content",
+           "tag_overlap", "tagged_regions"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,28 @@ class Scan:
     content: str = ""
     calls: list[CallScan] = field(default_factory=list)
     malformed: bool = False
+
+
+class ScanMemo:
+    """What a parser read of a streamed text's finished calls, kept while the text only
+    grows: each delta then reads only the calls still open, not all of them again (a
+    long answer of many calls would cost time in the square of its length)."""
+
+    __slots__ = ("_items", "_request", "_text")
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._request: Any = None
+        self._items: dict[Any, Any] = {}
+
+    def reads_of(self, text: str, request: Any) -> dict[Any, Any]:
+        """The reads kept for ``text`` (by where each finished call starts): none when
+        ``text`` does not extend the last one or is another request's."""
+        if request is not self._request or not text.startswith(self._text):
+            self._items = {}
+            self._request = request
+        self._text = text
+        return self._items
 
 
 def tag_overlap(text: str, tags: Sequence[str]) -> int:
@@ -87,30 +109,46 @@ def join_content(closed: Sequence[str], tail: str, *, any_call: bool, final: boo
     return "".join(parts)
 
 
-def tagged_regions(text: str, start_tag: str, end_tag: str, *, final: bool
+def tagged_regions(text: str, start_tag: str, end_tag: str, *, final: bool,
+                   reads: dict[Any, Any] | None = None
                    ) -> tuple[list[str], list[tuple[str, bool]], str]:
     """Split ``text`` at ``start_tag ... end_tag`` pairs: the parts before each region,
     the regions (their inner text, and whether their end tag came), and the text after
     the last closed region. An unclosed region runs to the end of the text; while
-    streaming, without an end that could be the start of ``end_tag``."""
-    before: list[str] = []
-    regions: list[tuple[str, bool]] = []
-    pos = 0
+    streaming, without an end that could be the start of ``end_tag``. With ``reads``
+    (``ScanMemo.reads_of``) the closed regions of a shorter text are not split again."""
+    pos, before, regions = 0, [], []
+    if reads is not None and _REGIONS in reads:
+        pos, kept_before, kept_regions = reads[_REGIONS]
+        before, regions = list(kept_before), list(kept_regions)
     while True:
         opened = text.find(start_tag, pos)
         if opened == -1:
+            _keep_regions(reads, pos, before, regions)
             return before, regions, text[pos:]
-        before.append(text[pos:opened])
         inner = opened + len(start_tag)
         closed = text.find(end_tag, inner)
         if closed == -1:
+            _keep_regions(reads, pos, before, regions)
+            before.append(text[pos:opened])
             body = text[inner:]
             if not final:
                 body = body[:len(body) - tag_overlap(body, (end_tag,))]
             regions.append((body, False))
             return before, regions, ""
+        before.append(text[pos:opened])
         regions.append((text[inner:closed], True))
         pos = closed + len(end_tag)
+
+
+#: The key of ``tagged_regions``' closed regions in a ``ScanMemo``.
+_REGIONS = "tagged regions"
+
+
+def _keep_regions(reads: dict[Any, Any] | None, pos: int, before: list[str],
+                  regions: list[tuple[str, bool]]) -> None:
+    if reads is not None and (_REGIONS not in reads or reads[_REGIONS][0] != pos):
+        reads[_REGIONS] = (pos, tuple(before), tuple(regions))
 
 
 class IncrementalToolParser(ToolParser):
@@ -127,6 +165,8 @@ class IncrementalToolParser(ToolParser):
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
         self._sent_content = ""
+        #: For ``scan``: reads of finished calls, by where they start.
+        self.memo = ScanMemo()
 
     def adjust_request(self, request: Any) -> Any:
         if (self.keep_special_tokens and getattr(request, "tools", None)

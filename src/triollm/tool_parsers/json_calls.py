@@ -17,7 +17,7 @@ from partial_json_parser.core.options import Allow
 from triollm.tool_parsers.incremental import CallScan
 
 __all__ = ["CallList", "ObjectScan", "arguments_json", "decode_json", "scan_call_list",
-           "scan_call_object", "skip_space"]
+           "scan_call_object", "scan_call_object_once", "skip_space"]
 
 _DECODER = json.JSONDecoder()
 # Llama 3.2 may write "type": "function" first; otherwise the name leads.
@@ -131,31 +131,63 @@ class CallList:
         self.malformed = False
 
 
-def scan_call_list(text: str, pos: int, final: bool) -> CallList:
-    """Read the JSON list of call objects that starts at ``text[pos]`` (a ``[``)."""
+def scan_call_object_once(text: str, start: int, reads: dict[Any, Any]) -> ObjectScan:
+    """``scan_call_object``, kept in ``reads`` (``ScanMemo.reads_of``) once whole."""
+    found: ObjectScan | None = reads.get(start)
+    if found is None:
+        found = scan_call_object(text, start)
+        if found.end is not None:
+            reads[start] = found
+    return found
+
+
+def scan_call_list(text: str, pos: int, final: bool,
+                   reads: dict[Any, Any] | None = None) -> CallList:
+    """Read the JSON list of call objects that starts at ``text[pos]`` (a ``[``). With
+    ``reads`` (``ScanMemo.reads_of``) the whole calls of a shorter text are not read
+    again."""
+    key = ("call list", pos)
     found = CallList()
-    pos = skip_space(text, pos + 1)
+    kept = None if reads is None else reads.get(key)
+    if kept is None:
+        resume = skip_space(text, pos + 1)
+    else:
+        resume = skip_space(text, kept[0])
+        found.calls.extend(kept[1])
+    last = _read_calls(text, resume, final, reads, found)
+    if reads is not None and last is not None and (kept is None or kept[0] != last[0]):
+        reads[key] = (last[0], tuple(found.calls[:last[1]]))
+    return found
+
+
+def _read_calls(text: str, pos: int, final: bool, reads: dict[Any, Any] | None,
+                found: CallList) -> tuple[int, int] | None:
+    """``scan_call_list``'s reading from ``pos`` into ``found``; where the text after
+    the last comma between whole calls starts, and how many calls precede it."""
+    last = None
     while pos < len(text):
         if text[pos] == "]" and not found.calls:
             found.tail = pos + 1
-            return found
+            return last
         if text[pos] != "{":
             found.malformed = True
-            return found
-        call = scan_call_object(text, pos)
+            return last
+        call = (scan_call_object(text, pos) if reads is None
+                else scan_call_object_once(text, pos, reads))
         found.calls.append(call.call)
         if call.invalid or call.end is None:
             found.malformed = call.invalid or final
-            return found
+            return last
         pos = skip_space(text, call.end)
         if text.startswith(",", pos):
+            last = (pos + 1, len(found.calls))
             pos = skip_space(text, pos + 1)
         elif text.startswith("]", pos):
             found.tail = pos + 1
-            return found
+            return last
         elif pos < len(text):
             found.malformed = True
-            return found
+            return last
     if final and not found.calls:
         found.malformed = True
-    return found
+    return last

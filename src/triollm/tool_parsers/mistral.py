@@ -75,7 +75,10 @@ class MistralToolParser(IncrementalToolParser):
         if pos == len(text):
             return Scan(join_content(before, "", any_call=True, final=final, tags=()),
                         malformed=final)
-        found = (scan_call_list if text[pos] == "[" else _named_calls)(text, pos, final)
+        if text[pos] == "[":
+            found = scan_call_list(text, pos, final, self.memo.reads_of(text, request))
+        else:
+            found = _named_calls(text, pos, final)
         tail = "" if found.tail is None else text[found.tail:]
         content = join_content(before, tail, any_call=True, final=final, tags=(BOT,))
         return Scan(content, found.calls, found.malformed)

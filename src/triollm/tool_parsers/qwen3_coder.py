@@ -184,11 +184,17 @@ class Qwen3CoderToolParser(IncrementalToolParser):
                 self._properties[key] = tool_properties(request, name)
             return self._properties[key]
 
-        before, regions, after = tagged_regions(text, START, END, final=final)
+        reads = self.memo.reads_of(text, request)
+        before, regions, after = tagged_regions(text, START, END, final=final, reads=reads)
         calls: list[CallScan] = []
         malformed = False
-        for body, closed in regions:
-            call = _function(body, closed or final, properties_of)
+        for index, (body, closed) in enumerate(regions):
+            if closed and index in reads:  # a closed region reads the same in any longer text
+                call = reads[index]
+            else:
+                call = _function(body, closed or final, properties_of)
+                if closed:
+                    reads[index] = call
             malformed = malformed or call is None
             calls.append(call or CallScan())
         content = join_content(before, after, any_call=bool(calls), final=final,
