@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -205,6 +206,17 @@ def test_a_backends_complaint_is_cut_short(tokenizer: Any) -> None:
         compiler(tokenizer).compile(StructuredOutputsParams(regex=huge))
     assert str(raised.value).startswith("structured_outputs.regex: guidance: ")
     assert len(str(raised.value)) < 2 * MAX_ERROR_CHARS + 200
+
+
+def test_guidance_builds_a_grammars_lexer_when_it_compiles(tokenizer: Any) -> None:
+    # llguidance builds a grammar's lexer lazily, at its first mask: for this regex about
+    # a second, which the runner's step would otherwise spend
+    grammar = compiler(tokenizer, "guidance").compile(
+        StructuredOutputsParams(regex="((a{100}){100}){100}"))[0]
+    bitmask = allocate_bitmask(1, VOCAB)
+    started = time.perf_counter()
+    grammar.matcher().fill_bitmask(bitmask, 0)
+    assert time.perf_counter() - started < grammar.compile_seconds / 10
 
 
 def test_an_unknown_backend_is_refused(tokenizer: Any) -> None:

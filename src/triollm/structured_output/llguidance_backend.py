@@ -79,6 +79,14 @@ class GuidanceBackend:
         prototype = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if prototype.is_error():
             raise ValueError(str(prototype.get_error()).strip())
+        # The first mask builds the lexer state every copy shares (a second or more for
+        # some regexes): here, in the compile thread, not in the runner's step where it
+        # would hold up every request. On a copy: a prototype that computed a mask makes
+        # each of its copies compute theirs slowly.
+        first = prototype.deep_copy()
+        first.compute_bitmask()
+        if first.is_error():
+            raise ValueError(str(first.get_error()).strip())
         return GuidanceGrammar(prototype, params.kind, time.perf_counter() - started)
 
     def _serialize(self, params: StructuredOutputsParams, options: GrammarOptions) -> str:
