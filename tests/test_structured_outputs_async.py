@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +148,39 @@ async def test_an_invalid_schema_fails_generate_before_the_engine(llama_path: Pa
         assert (stats.num_running, stats.num_waiting, stats.num_open_streams) == (0, 0, 0)
         config = await engine.get_decoding_config()
         assert config is engine.config.structured_outputs
+
+
+async def test_a_flood_of_distinct_constraints_compiles_in_a_few_threads(
+        llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from triollm.engine.async_requests import COMPILE_THREADS
+
+    running, most = [0], [0]
+    lock = threading.Lock()
+    async with AsyncLLMEngine.from_engine_args(engine_args(llama_path)) as engine:
+        core = engine._core
+        assert core is not None
+        compile_now = core.compile_structured_outputs
+
+        def slow_compile(params: SamplingParams, request_id: str = "") -> Any:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            try:
+                time.sleep(0.05)
+                return compile_now(params, request_id)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+        monkeypatch.setattr(core, "compile_structured_outputs", slow_compile)
+
+        async def one(index: int) -> None:
+            params = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(
+                regex=f"a{{{index + 1}}}"))
+            async for _ in engine.generate("hello", params, f"r{index}"):
+                pass
+
+        async with anyio.create_task_group() as tasks:
+            for index in range(4 * COMPILE_THREADS + 4):
+                tasks.start_soon(one, index)
+    assert 1 <= most[0] <= COMPILE_THREADS

@@ -116,6 +116,7 @@ class AsyncLLMEngine(AsyncEngineRequests):
             self._stats_line = LoggingStatLogger("GPU" if device == "cuda" else device.upper())
             self._stat_loggers.append(self._stats_line)
         self._warned_tracing = False
+        self._compile_threads = None
         #: Exports each finished request's span while the engine runs (None without
         #: ``otlp_traces_endpoint``); ``run`` opens and shuts it.
         self._tracer: RequestTracer | None = None

@@ -9,6 +9,7 @@ step loop fills the channels.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from contextlib import aclosing
 
@@ -28,6 +29,10 @@ from triollm.structured_output.grammar import CompiledGrammar
 __all__ = ["AsyncEngineRequests"]
 
 logger = logging.getLogger(__name__)
+
+#: Threads that compile constraints at once: a flood of distinct schemas waits for them
+#: rather than taking the default pool's 40 threads (and every core) from the rest.
+COMPILE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def _shown_prompt(prompt: PromptType, max_log_len: int | None) -> object:
@@ -49,6 +54,8 @@ class AsyncEngineRequests(AsyncEngineAPI):
     log_requests: bool
     max_log_len: int | None
     _warned_tracing: bool
+    #: The compile threads' limiter, made on first use (inside the event loop).
+    _compile_threads: anyio.CapacityLimiter | None
     #: Set when a request arrives; the idle step loop waits on it.
     _work_available: anyio.Event | None
 
@@ -169,8 +176,10 @@ class AsyncEngineRequests(AsyncEngineAPI):
         if (core is None or not isinstance(params, SamplingParams)
                 or params.structured_outputs is None):
             return None
+        if self._compile_threads is None:
+            self._compile_threads = anyio.CapacityLimiter(COMPILE_THREADS)
         return await anyio.to_thread.run_sync(core.compile_structured_outputs, params,
-                                              request_id)
+                                              request_id, limiter=self._compile_threads)
 
     def _add_request(self, prompt: PromptType, params: SamplingParams | PoolingParams,
                      request_id: str,
