@@ -248,6 +248,15 @@ def test_bad_constraints_are_400s_naming_the_field(server: ThreadedServer,
           "extra_body": {"structured_outputs": {"regex": "a"}}}, "structured_outputs.regex"),
         ({"extra_body": {"guided_regex": "a", "guided_decoding_backend": "outlines"}},
          "guided_decoding_backend"),
+        # hostile: nested past the bound (a RecursionError), a pattern deep enough to
+        # overflow xgrammar's stack (auto falls back to it when llguidance refuses)
+        ({"extra_body": {"guided_json": '{"items": ' * 150 + "{}" + "}" * 150}},
+         "guided_json"),
+        ({"extra_body": {"guided_json": '{"items": ' * 3000 + "{}" + "}" * 3000}},
+         "guided_json"),
+        ({"extra_body": {"guided_json": {"type": "string",
+                                         "pattern": "(" * 50_000 + "a" + ")" * 50_000}}},
+         "guided_json"),
     ]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:
