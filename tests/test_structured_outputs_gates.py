@@ -74,6 +74,14 @@ def test_the_constraint_waits_for_the_end_of_the_reasoning(
     assert llm.generate(ended, params, use_tqdm=False)[0].outputs[0].text == "yes"
 
 
+def test_a_reasoning_parser_the_tokenizer_cannot_serve_is_refused_at_start(
+        llama_path: Path) -> None:
+    # the test tokenizer has no <think> token: every request would fail on it
+    with pytest.raises(ValueError, match=r"^reasoning_parser: .*'<think>'"):
+        LLM(str(llama_path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+            structured_outputs_config={"reasoning_parser": "qwen3"})
+
+
 def test_enable_in_reasoning_constrains_from_the_first_token(
         llama_path: Path, free_tokens: list[int]) -> None:
     llm = LLM(str(llama_path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,

@@ -34,6 +34,20 @@ class StructuredOutputManager:
                          GrammarCompiler(config, tokenizer, vocab_size, eos_token_ids))
         self._parser: ReasoningParser | None = None
         self._parser_lock = threading.Lock()
+        if config.reasoning_parser is not None and tokenizer is not None:
+            self._check_reasoning_parser(config.reasoning_parser)
+
+    def _check_reasoning_parser(self, name: str) -> None:
+        """A parser this tokenizer cannot serve (no ``<think>`` token) is refused when
+        the engine starts, naming the flag, not at each request."""
+        try:
+            parser_class = ReasoningParserManager.get_reasoning_parser(name)
+        except KeyError as error:
+            raise ValueError(f"reasoning_parser: {error.args[0]}") from None
+        try:
+            parser_class(self._tokenizer)
+        except ValueError as error:
+            raise ValueError(f"reasoning_parser: {error}") from None
 
     def compile(self, params: SamplingParams, request_id: str = "") -> CompiledGrammar | None:
         """The compiled constraint of ``params`` (None without one). ``ValueError``
