@@ -3,6 +3,7 @@ GBNF grammars, structural tags, and ``whitespace_pattern``."""
 
 from __future__ import annotations
 
+import array
 import json
 import time
 from collections.abc import Iterable
@@ -71,6 +72,7 @@ class GuidanceBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids) or None)
+        self._mask_words = (vocab_size + 31) // 32
 
     def compile(self, params: StructuredOutputsParams, options: GrammarOptions
                 ) -> GuidanceGrammar:
@@ -84,7 +86,9 @@ class GuidanceBackend:
         # would hold up every request. On a copy: a prototype that computed a mask makes
         # each of its copies compute theirs slowly.
         first = prototype.deep_copy()
-        first.compute_bitmask()
+        mask = array.array("i", bytes(4 * self._mask_words))
+        # (compute_bitmask would hold the GIL all along: this call lets it go)
+        first.unsafe_compute_mask_ptr(mask.buffer_info()[0], 4 * self._mask_words)
         if first.is_error():
             raise ValueError(str(first.get_error()).strip())
         return GuidanceGrammar(prototype, params.kind, time.perf_counter() - started)
