@@ -55,8 +55,9 @@ def chat_parsing(body: ChatCompletionRequest, tokenizer: Any, *, tool_parser: st
     """The reading of ``body``'s answers on a server with these settings. Raises
     ``ValueError`` naming the field for a malformed tool, and ``tool_choice`` for
     ``auto`` without a tool-call parser, as vLLM does."""
-    validate_tools(body.tools)  # as vLLM's request model: each a function with a name
     choice = body.effective_tool_choice
+    if choice not in ("required", "named"):  # those check the tools building their schema
+        validate_tools(body.tools)  # as vLLM's request model: each a function with a name
     reasoning = (ReasoningParserManager.get_reasoning_parser(reasoning_parser)
                  if reasoning_parser else None)
     if choice == "auto":
@@ -66,9 +67,8 @@ def chat_parsing(body: ChatCompletionRequest, tokenizer: Any, *, tool_parser: st
                            tool_parser=ToolParserManager.get_tool_parser(tool_parser),
                            reasoning_parser=reasoning)
     if choice in ("required", "named"):
+        schema = tool_choice_schema(body.tools, body.tool_choice, body.parallel_tool_calls)
         named = body.named_tool()
-        schema = tool_choice_schema(body.tools or [], body.tool_choice,
-                                    body.parallel_tool_calls)
         if schema is None:
             raise ValueError(f"tool_choice: {body.tool_choice!r} constrains nothing")
         return ChatParsing(body, tokenizer, choice,
