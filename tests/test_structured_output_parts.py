@@ -283,3 +283,17 @@ def _walk_grammars(tokenizer: Any, backend: str) -> Any:
         _GRAMMARS[backend] = compiler(tokenizer, backend).compile(StructuredOutputsParams(
             json=WALK_SCHEMA, disable_any_whitespace=True))[0]
     return _GRAMMARS[backend]
+
+
+def test_the_engines_copy_owns_its_constraint_and_its_samples_share_it() -> None:
+    from triollm import SamplingParams
+
+    schema: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    callers = SamplingParams(n=3, structured_outputs=StructuredOutputsParams(json=schema))
+    engines = callers.clone()
+    schema["properties"]["b"] = {"type": "string"}  # the caller reuses their dict
+    assert engines.structured_outputs is not None
+    assert engines.structured_outputs.json == {"type": "object", "properties": {
+        "a": {"type": "integer"}}}
+    samples = [engines.child(index) for index in range(3)]
+    assert all(s.structured_outputs is engines.structured_outputs for s in samples)

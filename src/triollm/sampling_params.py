@@ -218,17 +218,19 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A copy that shares no mutable state with this one (the engine works on its
         own copy: the caller may reuse or change theirs)."""
-        return self.child(0, n=self.n)
+        params = self.child(0, n=self.n)
+        if self.structured_outputs is not None:
+            params.structured_outputs = self.structured_outputs.copy()
+        return params
 
     def child(self, index: int, *, n: int = 1) -> SamplingParams:
         """The parameters of sample ``index`` of an ``n > 1`` request: the seed offset by
-        ``index``, wrapped around within the signed 64-bit range."""
+        ``index``, wrapped around within the signed 64-bit range. The constraint
+        (``structured_outputs``) is this one's, shared: nothing changes it once the
+        engine holds its own copy, and a schema can be megabytes."""
         seed = (None if self.seed is None
                 else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN)
-        structured = (None if self.structured_outputs is None
-                      else self.structured_outputs.copy())
-        params = SamplingParams(**{**self._as_kwargs(), "n": n, "seed": seed,
-                                   "structured_outputs": structured})
+        params = SamplingParams(**{**self._as_kwargs(), "n": n, "seed": seed})
         params.all_stop_token_ids = set(self.all_stop_token_ids)
         params.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         return params
