@@ -131,6 +131,19 @@ def test_a_client_gone_mid_stream_gets_one_line_marked_disconnected(
     assert int(line.group(6)) > 0 and 0 < int(line.group(7)) < 200
 
 
+def test_an_embedding_request_line_counts_its_prompt_tokens(
+        pooling_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS)
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+        model=str(pooling_models["bert"]), dtype="float32"))
+    with server_in_thread(engine, served_model_names=("embedder",), access_log=True) as server:
+        usage = httpx.post(server.url + "/v1/embeddings?t=embed", timeout=60, json={
+            "model": "embedder", "input": ["one text", "and another one"]}).json()["usage"]
+        [line] = access_lines(caplog, "embed")
+    assert line.group(4) == "200" and usage["prompt_tokens"] > 2
+    assert (int(line.group(6)), int(line.group(7))) == (usage["prompt_tokens"], 0)
+
+
 def test_a_request_without_tokens_has_none_on_its_line(
         server: ThreadedServer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=ACCESS)
