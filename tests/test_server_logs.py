@@ -131,6 +131,19 @@ def test_a_client_gone_mid_stream_gets_one_line_marked_disconnected(
     assert int(line.group(6)) > 0 and 0 < int(line.group(7)) < 200
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["reply", "stream"])
+def test_a_generate_request_with_samples_counts_each_samples_tokens_once(
+        stream: bool, server: ThreadedServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS)
+    tag = f"generate-{stream}"
+    reply = httpx.post(f"{server.url}/generate?t={tag}", timeout=60, json={
+        "prompt": "The rain in Spain", "max_tokens": 5, "n": 2, "ignore_eos": True,
+        "stream": stream})
+    assert reply.status_code == 200, reply.text
+    [line] = access_lines(caplog, tag)
+    assert line.group(4) == "200" and int(line.group(6)) > 0 and line.group(7) == "10"
+
+
 def test_an_embedding_request_line_counts_its_prompt_tokens(
         pooling_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=ACCESS)

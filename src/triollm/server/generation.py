@@ -56,11 +56,11 @@ class Submitted:
     delta: bool = False
 
     def __post_init__(self) -> None:
-        self.tokens.add(self.index, self.first, first=True, delta=self.delta)
+        self.tokens.add_first(self.index, self.first, self.delta)
 
     def count(self, output: RequestOutput) -> RequestOutput:
         """``output``, counted in the request's tokens (every one after the first)."""
-        self.tokens.add(self.index, output, first=False, delta=self.delta)
+        self.tokens.add(self.index, output, self.delta)
         return output
 
 
