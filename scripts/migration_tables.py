@@ -28,8 +28,14 @@ DIFFERENT = {
                                 "`--kv-cache-space-gb` (vLLM: `VLLM_CPU_KVCACHE_SPACE`)",
     "--uvicorn-log-level": "honoured as the log level of the server (hypercorn serves "
                            "the app, not uvicorn); `trace` is `debug`",
-    "--disable-uvicorn-access-log": "honoured: hypercorn's access log, one line per request, "
-                                    "is on by default as uvicorn's is in vLLM",
+    "--disable-uvicorn-access-log": "honoured: the access log, one line per request written "
+                                    "at its end (status, duration, tokens), is on by "
+                                    "default as uvicorn's is in vLLM",
+    "--disable-access-log-for-endpoints": "honoured: comma-separated paths (exact, as "
+                                          "vLLM's filter) whose requests the access log "
+                                          "leaves out",
+    "--disable-log-stats": "honoured: no periodic stats line and no `vllm:` metrics, as "
+                           "in vLLM",
     "--shutdown-timeout": "honoured as the grace in-flight requests get after SIGINT/SIGTERM "
                           "(same as triollm's `--shutdown-grace`, default 30 s)",
     "--scheduling-policy": "honoured: fcfs, priority, and triollm's slo (docs/scheduling.md)",

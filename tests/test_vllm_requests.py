@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -414,7 +415,8 @@ def test_return_token_ids(server: ThreadedServer) -> None:
 
 
 def test_unix_socket_root_path_access_log_and_no_docs(
-        llama_path: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        llama_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="triollm.server.access_log")
     socket_path = tmp_path / "triollm.sock"
     args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=128,
                            num_gpu_blocks_override=64)
@@ -429,7 +431,9 @@ def test_unix_socket_root_path_access_log_and_no_docs(
             assert http.get("/api/v1/models").status_code == 200
             assert http.get("/docs").status_code == 404
             assert http.get("/openapi.json").status_code == 404
-    assert '"POST /v1/completions' in capfd.readouterr().out
+    [line] = [r.getMessage() for r in caplog.records if '"POST /v1/completions' in r.getMessage()]
+    assert re.fullmatch(r'- "POST /v1/completions HTTP/1.1" 200 \d+\.\d{3}s '
+                        r'prompt_tokens=\d+ completion_tokens=2', line), line
 
 
 def test_requests_are_logged_only_when_asked(llama_path: Path) -> None:

@@ -168,6 +168,9 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
         trust_request_chat_template=namespace.trust_request_chat_template,
         return_tokens_as_token_ids=namespace.return_tokens_as_token_ids,
         root_path=namespace.root_path, access_log=not namespace.disable_uvicorn_access_log,
+        access_log_excluded_paths=tuple(
+            path.strip() for path in (namespace.disable_access_log_for_endpoints or "")
+            .split(",") if path.strip()),
         api_docs=not namespace.disable_fastapi_docs, log_level=level.lower(),
         cors=CorsSettings(
             allowed_origins=tuple(namespace.allowed_origins),
@@ -225,6 +228,9 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     server.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction,
                         default=False,
                         help="do not log a line per HTTP request")
+    server.add_argument("--disable-access-log-for-endpoints", default=None,
+                        help="paths whose requests the access log leaves out, comma-"
+                             "separated (as /health,/metrics,/ping)")
     server.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction,
                         default=False,
                         help="do not serve /docs, /redoc and /openapi.json")

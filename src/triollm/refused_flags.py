@@ -146,7 +146,7 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
                 "--fail-on-environ-validation", "--cohere-is-reasoning-model",
                 "--swa-bounded-replay", "--use-tqdm-on-load"),
     **_values(_NOT_IMPLEMENTED, "--default-chat-template-kwargs",
-              "--disable-access-log-for-endpoints", "--fingerprint-mode",
+              "--fingerprint-mode",
               "--fingerprint-value", "--grpc-port", "--sse-keep-alive-interval",
               "--ssl-ca-certs", "--ssl-cert-reqs", "--ssl-ciphers", "--cohere-format",
               "--anthropic-disabled-thinking-effort", "--hf-config-path", "--hf-overrides",

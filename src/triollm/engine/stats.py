@@ -149,7 +149,10 @@ class LoggingStatLogger:
     """vLLM's periodic statistics line: throughput since the previous line, requests
     running and waiting, preemptions, KV-cache usage and prefix-cache hit rate. A
     ``StatLogger`` (``record`` after every step) whose ``log`` the owner calls on its
-    interval; an idle engine's line goes out at debug level, as vLLM's does."""
+    interval. The line is at info level while there is work (requests running or
+    waiting, or tokens since the previous line), and once more after it, with the
+    throughput falling to zero; an idle engine's line goes out at debug level (vLLM's
+    rule, which counts the tokens only)."""
 
     def __init__(self, kv_cache_device: str, *, clock: Callable[[], float] = time.monotonic,
                  logger: logging.Logger | None = None) -> None:
@@ -171,7 +174,8 @@ class LoggingStatLogger:
         elapsed = now - self._last_log
         prompt = self._prompt_tokens / elapsed if elapsed > 0 else 0.0
         generation = self._generation_tokens / elapsed if elapsed > 0 else 0.0
-        idle = not any((prompt, generation, *self._last_throughputs))
+        idle = not any((prompt, generation, *self._last_throughputs,
+                        statistics.num_running, statistics.num_waiting))
         self._last_log, self._prompt_tokens, self._generation_tokens = now, 0, 0
         self._last_throughputs = (prompt, generation)
         parts = ["Avg prompt throughput: %.1f tokens/s", "Avg generation throughput: %.1f "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -19,6 +19,8 @@ from fastapi.responses import Response
 
 from triollm.errors import EngineClosedError, EngineError
 from triollm.outputs import RequestOutput
+from triollm.sampling_params import RequestOutputKind
+from triollm.server.access_log import TokenCounts
 from triollm.server.errors import (
     OpenAIError,
     bad_request,
@@ -48,6 +50,18 @@ class Submitted:
     index: int
     stream: EngineStream
     first: RequestOutput
+    #: The API request's token counts, which ``count`` adds this prompt's outputs to.
+    tokens: TokenCounts = field(default_factory=TokenCounts)
+    #: Whether outputs carry only new tokens (``RequestOutputKind.DELTA``).
+    delta: bool = False
+
+    def __post_init__(self) -> None:
+        self.tokens.add_first(self.index, self.first, self.delta)
+
+    def count(self, output: RequestOutput) -> RequestOutput:
+        """``output``, counted in the request's tokens (every one after the first)."""
+        self.tokens.add(self.index, output, self.delta)
+        return output
 
 
 @asynccontextmanager
@@ -64,7 +78,7 @@ async def open_streams(engine: AsyncLLMEngine, request: GenerationRequest
         for prompt, engine_id in zip(request.prompts, request.engine_ids, strict=True)]
     try:
         try:
-            firsts = await _first_outputs(streams)
+            firsts = await _first_outputs(streams, request)
         except OpenAIError as error:
             raise _naming_constraint(error, request.constraint_field) from error
         yield firsts
@@ -83,13 +97,17 @@ def _naming_constraint(error: OpenAIError, field: str | None) -> OpenAIError:
     return bad_request(renamed(ValueError(error.message), field))
 
 
-async def _first_outputs(streams: list[EngineStream]) -> list[Submitted]:
+async def _first_outputs(streams: list[EngineStream], request: GenerationRequest
+                         ) -> list[Submitted]:
+    delta = request.params.output_kind is RequestOutputKind.DELTA
     if len(streams) == 1:
-        return [Submitted(0, streams[0], await first_output(streams[0]))]
+        return [Submitted(0, streams[0], await first_output(streams[0]), request.tokens,
+                          delta)]
     submitted: list[Submitted | None] = [None] * len(streams)
 
     async def start(index: int) -> None:
-        submitted[index] = Submitted(index, streams[index], await first_output(streams[index]))
+        submitted[index] = Submitted(index, streams[index], await first_output(streams[index]),
+                                     request.tokens, delta)
 
     await for_each_prompt(len(streams), start)
     return [item for item in submitted if item is not None]
@@ -126,7 +144,7 @@ async def outputs(item: Submitted) -> AsyncIterator[RequestOutput]:
     yield item.first
     if not item.first.finished:
         async for output in item.stream:
-            yield output
+            yield item.count(output)
 
 
 async def final_outputs(submitted: list[Submitted]) -> list[RequestOutput]:

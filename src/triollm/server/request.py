@@ -13,7 +13,7 @@ Every id comes from ``triollm.request_ids``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
 from fastapi import Request
@@ -23,6 +23,7 @@ from triollm.engine.tracing import trace_headers_from
 from triollm.pooling_params import PoolingParams
 from triollm.request_ids import engine_request_id, random_request_id
 from triollm.sampling_params import SamplingParams, check_text
+from triollm.server.access_log import TokenCounts, token_counts
 from triollm.server.errors import (
     OpenAIError,
     bad_request,
@@ -87,6 +88,8 @@ class GenerationRequest:
     #: The body field of the output's constraint, as the client wrote it (the engine's
     #: complaint about the constraint names it); None: no constraint.
     constraint_field: str | None = None
+    #: Its tokens, counted as its outputs pass (the access log's line reads them).
+    tokens: TokenCounts = field(default_factory=TokenCounts, compare=False)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,8 @@ class EncodeRequest:
     params: PoolingParams
     priority: int = 0
     trace_headers: Mapping[str, str] | None = None
+    #: Its prompts' tokens, counted as they finish (the access log's line reads them).
+    tokens: TokenCounts = field(default_factory=TokenCounts, compare=False)
 
 
 class _NamesItsId(Protocol):
@@ -132,7 +137,7 @@ async def generation_request(state: ServerState, request: Request, body: Samplin
         priority=body.priority, is_latency_sensitive=body.latency_sensitive, slo=body.slo,
         ttft_slo=body.ttft_slo, lora_request=state.lora_for(body.model),
         trace_headers=trace_headers_from(request.headers),
-        constraint_field=constraint_field)
+        constraint_field=constraint_field, tokens=token_counts(request.scope))
 
 
 def encode_request(state: ServerState, request: Request, body: PoolingFields,
@@ -144,7 +149,7 @@ def encode_request(state: ServerState, request: Request, body: PoolingFields,
     return EncodeRequest(
         request_id=request_id, engine_ids=tuple(engine_request_id(request_id) for _ in prompts),
         prompts=tuple(prompts), params=params, priority=body.priority,
-        trace_headers=trace_headers_from(request.headers))
+        trace_headers=trace_headers_from(request.headers), tokens=token_counts(request.scope))
 
 
 async def tokenized(state: ServerState, prompt: PromptType, cache_salt: str | None,

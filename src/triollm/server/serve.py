@@ -43,6 +43,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from triollm.engine.async_engine import AsyncLLMEngine
 from triollm.entrypoints.chat_utils import ContentFormat
 from triollm.server import protocol_errors
+from triollm.server.access_log import AccessLog, HypercornLog
 from triollm.server.admission import Admission, AdmissionLimits
 from triollm.server.app import build_app
 from triollm.server.chat_parsing import check_tool_flags
@@ -58,6 +59,7 @@ from triollm.server.limits import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
 )
 from triollm.server.metrics import PrometheusStatLogger
+from triollm.server.middleware import ASGIApp
 from triollm.server.routes.lora import LoRAModulePath, load_adapter
 from triollm.server.state import CorsSettings, ServerSettings, ServerState
 
@@ -106,8 +108,10 @@ class ServerOptions:
     return_tokens_as_token_ids: bool = False
     cors: CorsSettings = field(default_factory=CorsSettings)
     log_level: str = "info"
-    #: One line per HTTP request, as uvicorn's access log (vLLM's default).
+    #: One line per HTTP request, written at its end (server/access_log.py).
     access_log: bool = False
+    #: Paths the access log leaves out (vLLM's --disable-access-log-for-endpoints).
+    access_log_excluded_paths: tuple[str, ...] = ()
     #: The path prefix a proxy serves the app under (ASGI ``root_path``).
     root_path: str = ""
     #: Serve /docs, /redoc and /openapi.json (vLLM's --disable-fastapi-docs turns off).
@@ -169,10 +173,12 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
         return_tokens_as_token_ids=options.return_tokens_as_token_ids,
         cors=options.cors, enable_auto_tool_choice=options.enable_auto_tool_choice,
         tool_call_parser=options.tool_call_parser), metrics)
-    app = Admission(build_app(state, api_docs=options.api_docs), AdmissionLimits(
+    app: ASGIApp = Admission(build_app(state, api_docs=options.api_docs), AdmissionLimits(
         limit_concurrency=options.limit_concurrency,
         body_read_timeout=options.body_read_timeout,
         max_header_count=options.h11_max_header_count))
+    if options.access_log:
+        app = AccessLog(app, excluded_paths=options.access_log_excluded_paths)
     protocol_errors.install()  # hypercorn's 400 and 431 in OpenAI's shape
     config = Config()
     config.bind = ([f"unix:{options.uds}"] if options.uds is not None
@@ -184,7 +190,7 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
     # streams still open at the end of the grace get to write their last events.
     config.graceful_timeout = options.shutdown_grace + FINAL_WORDS_SECONDS + 1.0
     config.loglevel = options.log_level.upper()
-    config.accesslog = "-" if options.access_log else None
+    config.logger_class = HypercornLog  # through Python's logging, in one format
     config.keep_alive_timeout = options.keep_alive_timeout
     config.backlog = options.backlog
     config.h11_max_incomplete_size = options.h11_max_incomplete_event_size

@@ -125,6 +125,8 @@ class NullDelimitedStream(_OwnedStream):
                         "body": chunk.encode() + b"\0", "more_body": True})
             try:
                 output = None if output.finished else await anext(item.stream, None)
+                if output is not None:
+                    item.count(output)
             except EngineError as error:
                 await send({"type": "http.response.body", "more_body": True,
                             "body": json.dumps(stream_error_event(error)).encode() + b"\0"})

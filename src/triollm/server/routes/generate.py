@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from triollm.engine.tracing import trace_headers_from
 from triollm.request_ids import engine_request_id, random_request_id
 from triollm.sampling_params import SamplingParams
+from triollm.server.access_log import token_counts
 from triollm.server.errors import (
     OpenAIError,
     bad_request,
@@ -74,7 +75,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         reply=ReplyOptions(model=state.settings.served_model_names[0],
                            created=int(time.time())),
         trace_headers=trace_headers_from(request.headers),
-        constraint_field=constraint.field if constraint else None)
+        constraint_field=constraint.field if constraint else None,
+        tokens=token_counts(request.scope))
     if work.stream:
         return NullDelimitedStream(state.engine, work)
     # CUMULATIVE outputs carry the samples that changed: the reply is each one's last.

@@ -138,8 +138,10 @@ async def _encode_all(state: ServerState, work: EncodeRequest) -> list[Pooled]:
             raise _for_input(bad_request(error), index, count) from error
         except EngineError as error:
             raise engine_unavailable(error) from error
-        if results[index] is None:
+        result = results[index]
+        if result is None:
             raise engine_unavailable(EngineClosedError("ended early"))
+        work.tokens.prompt_tokens += len(result.prompt_token_ids)
 
     await for_each_prompt(count, one)
     return [result for result in results if result is not None]
