@@ -34,6 +34,7 @@ from triollm.engine.resolve import (
     resolve_runner,
     structured_outputs_config,
 )
+from triollm.model.source import model_source_problem
 
 __all__ = ["DEFAULT_OPTIMIZATION_LEVEL", "AsyncEngineArgs", "EngineArgs"]
 
@@ -131,6 +132,12 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
         self._validate_ranges()
+        for name, source in (("model", self.model), ("tokenizer", self.tokenizer)):
+            problem = source and model_source_problem(
+                source, revision=self.revision, download_dir=self.download_dir,
+                probe_hub=True)
+            if problem:
+                raise fail(name, problem)
         structured = guided_decoding_backend(
             structured_outputs_config(self.structured_outputs_config),
             self.guided_decoding_backend)
