@@ -129,14 +129,14 @@ def _serve(namespace: argparse.Namespace) -> int:
 
     if namespace.model_tag is not None:
         namespace.model = namespace.model_tag
+    values = _server_option_values(namespace)
     args = engine_args_from_namespace(namespace, AsyncEngineArgs)
     assert isinstance(args, AsyncEngineArgs)
     if namespace.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     _check_model_sources(args)
-    listen_fds = bind_listening_sockets(_host(namespace), namespace.port, namespace.uds)
-    options = dataclasses.replace(server_options_from_namespace(namespace),
-                                  listen_fds=listen_fds)
+    options = _server_options(values, bind_listening_sockets(
+        _host(namespace), namespace.port, namespace.uds))
     environment = _environment(namespace)
     configure_logging(environment, options.log_level)
     apply_cpu_binding(environment)
@@ -151,11 +151,23 @@ def _host(namespace: argparse.Namespace) -> str:
     return namespace.host or "0.0.0.0"  # every interface, as vLLM
 
 
-def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOptions:
+def server_options_from_namespace(namespace: argparse.Namespace,
+                                  listen_fds: tuple[int, ...] = ()) -> ServerOptions:
     """The server half of ``triollm serve``'s flags (the engine half is
     ``engine_args_from_namespace``)."""
+    return _server_options(_server_option_values(namespace), listen_fds)
+
+
+def _server_options(values: dict[str, Any], listen_fds: tuple[int, ...]) -> ServerOptions:
     from triollm.server.serve import CorsSettings, ServerOptions
 
+    return ServerOptions(**{**values, "cors": CorsSettings(**values["cors"])},
+                         listen_fds=listen_fds)
+
+
+def _server_option_values(namespace: argparse.Namespace) -> dict[str, Any]:
+    """``ServerOptions``' fields from the flags, checked (a ``ValueError`` naming the
+    flag), without importing the server, which imports torch."""
     chat_template = namespace.chat_template
     if chat_template is not None and "{" not in chat_template:
         with open(chat_template, encoding="utf-8") as file:
@@ -165,7 +177,7 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
     if level == "trace":  # uvicorn's level below debug; Python logging has none
         level = "debug"
     keys = namespace.api_key
-    return ServerOptions(
+    return dict(
         host=_host(namespace), port=namespace.port, uds=namespace.uds,
         api_key=tuple(keys) if keys else None,
         served_model_names=tuple([served] if isinstance(served, str) else served or []),
@@ -179,7 +191,7 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
         return_tokens_as_token_ids=namespace.return_tokens_as_token_ids,
         root_path=namespace.root_path, access_log=not namespace.disable_uvicorn_access_log,
         api_docs=not namespace.disable_fastapi_docs, log_level=level.lower(),
-        cors=CorsSettings(
+        cors=dict(
             allowed_origins=tuple(namespace.allowed_origins),
             allow_credentials=namespace.allow_credentials,
             allowed_methods=tuple(namespace.allowed_methods),

@@ -132,12 +132,6 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
         self._validate_ranges()
-        for name, source in (("model", self.model), ("tokenizer", self.tokenizer)):
-            problem = source and model_source_problem(
-                source, revision=self.revision, download_dir=self.download_dir,
-                probe_hub=True)
-            if problem:
-                raise fail(name, problem)
         structured = guided_decoding_backend(
             structured_outputs_config(self.structured_outputs_config),
             self.guided_decoding_backend)
@@ -146,6 +140,12 @@ class EngineArgs:
         structured = dataclasses.replace(structured, reasoning_parser=reasoning_parser)
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
+        for name, source in (("model", self.model), ("tokenizer", self.tokenizer)):
+            problem = source and model_source_problem(
+                source, revision=self.revision, download_dir=self.download_dir,
+                probe_hub=True)
+            if problem:
+                raise fail(name, problem)
         # Imported here so that building arguments (``triollm serve --help``) does not
         # load torch and transformers.
         from triollm.model.loader import load_hf_config
