@@ -97,11 +97,12 @@ def test_every_engine_flag_is_explained() -> None:
 def _flags_named_in(text: str) -> set[str]:
     """The flags in a document's inline code and in its triollm command lines."""
     spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.DOTALL))
-    commands = [line for block in re.findall(r"```.*?```", text, flags=re.DOTALL)
-                for line in block.splitlines() if "triollm" in line]
+    commands = [command for block in re.findall(r"```.*?```", text, flags=re.DOTALL)
+                for line in block.splitlines() for command in line.split("&&")
+                if "triollm" in command]
     found = set()
     for part in [*spans, *commands]:
-        if part.split(" ", 1)[0] in ("pip", "curl", "docker"):
+        if part.split(maxsplit=1)[:1] in (["pip"], ["curl"], ["docker"]):
             continue
         found |= {flag.replace("_", "-") for flag in
                   re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9](?![\w-])", part)}
