@@ -297,7 +297,7 @@ async def _watch_signals(handle: ServerHandle, owns_process: bool) -> None:
 
 def serve_blocking(engine: AsyncLLMEngine, options: ServerOptions) -> int:
     """Run the server under trio until it stops, as the owner of this process; the exit
-    status."""
+    status. Raises ``ListenError`` when it cannot listen on its address."""
     try:
         trio.run(run_server, engine, dataclasses.replace(options, owns_process=True))
     except KeyboardInterrupt:
