@@ -37,10 +37,11 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                      "model runs eagerly, decode attention gathers KV blocks for SDPA "
                      "instead of running the C kernel, so the KV cache is fp32 (twice a "
                      "bf16 model's), and pooling models attend with SDPA",
-    "optimization_level": "-O0 to -O3 for short. 0: run the model's forward eagerly (the "
-                          "quickest start; the C attention kernels still run); 1-3: on CPU, "
-                          "compile the forward with torch.compile at start-up, which takes "
-                          "seconds to minutes by the model's size (docs/serving.md)",
+    "optimization_level": "-O0 to -O3 for short. 0: run the model's forward eagerly (the C "
+                          "attention kernels still run); 1-3: on CPU, compile the forward "
+                          "with torch.compile, which takes tens of seconds to minutes: the "
+                          "server answers eagerly meanwhile and switches once it is built, "
+                          "generate compiles first (docs/serving.md)",
     "cpu_threads": "compute threads on CPU (docs/api.md)",
     "tensor_parallel_size": "number of GPUs (only 1 for now)",
     "scheduling_policy": "fcfs, priority or slo (docs/scheduling.md)",
