@@ -91,12 +91,16 @@ def test_engine_args_name_the_model_that_is_not_there(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="is a file, not a model directory"):
         EngineArgs(model=str(tmp_path / "weights.bin")).create_engine_config()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^model: directory .* has no config.json"):
+        EngineArgs(model=str(tmp_path / "empty")).create_engine_config()
 
 
 def test_which_names_are_paths_and_which_are_hub_ids(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "local").mkdir(parents=True)
+    (tmp_path / "org" / "local" / "config.json").write_text("{}")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     assert model_source_problem("org/local") is None  # an existing directory is local
     assert model_source_problem("triollm/tiny-demo") is None

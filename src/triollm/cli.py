@@ -98,7 +98,8 @@ def _check_model_sources(args: EngineArgs) -> None:
         if name is None:
             continue
         problem = model_source_problem(name, revision=args.revision,
-                                       download_dir=args.download_dir, probe_hub=True)
+                                       download_dir=args.download_dir, probe_hub=True,
+                                       tokenizer=flag == "tokenizer")
         if problem is not None:
             raise ValueError(f"{flag} {problem}")
 

@@ -143,7 +143,7 @@ class EngineArgs:
         for name, source in (("model", self.model), ("tokenizer", self.tokenizer)):
             problem = source and model_source_problem(
                 source, revision=self.revision, download_dir=self.download_dir,
-                probe_hub=True)
+                probe_hub=True, tokenizer=name == "tokenizer")
             if problem:
                 raise fail(name, problem)
         # Imported here so that building arguments (``triollm serve --help``) does not

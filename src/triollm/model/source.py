@@ -31,13 +31,17 @@ def hub_offline_variable() -> str | None:
 
 
 def model_source_problem(name: str, *, revision: str | None = None,
-                         download_dir: str | None = None, probe_hub: bool = False
-                         ) -> str | None:
-    """What is wrong with ``name`` as a model (or tokenizer) source, as a phrase to
-    follow the flag's name (``"path ./x does not exist"``); None when it can load or
-    only loading can tell."""
-    if name == DEMO_MODEL_NAME or os.path.isdir(name):
+                         download_dir: str | None = None, probe_hub: bool = False,
+                         tokenizer: bool = False) -> str | None:
+    """What is wrong with ``name`` as a model (or, with ``tokenizer``, a tokenizer)
+    source, as a phrase to follow the flag's name (``"path ./x does not exist"``); None
+    when it can load or only loading can tell."""
+    if name == DEMO_MODEL_NAME:
         return None
+    if os.path.isdir(name):
+        if tokenizer or os.path.isfile(os.path.join(name, "config.json")):
+            return None
+        return f"directory {name} has no config.json (not a transformers model)"
     if _looks_local(name) or not _is_hub_id(name):
         if os.path.exists(name):
             return f"path {name} is a file, not a model directory"
