@@ -15,17 +15,19 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from triollm.argv_spelling import human_readable_int, normalize_argv
 from triollm.connection_flags import add_connection_arguments, connection_options
+from triollm.engine import args as engine_args
 from triollm.engine.args import AsyncEngineArgs, EngineArgs
 from triollm.entrypoints.chat_utils import CONTENT_FORMATS
-from triollm.flag_help import ENGINE_FLAG_HELP
+from triollm.flag_help import engine_flag_help
+from triollm.model.source import model_source_problem
 from triollm.refused_flags import add_refused_flags
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.tool_flags import add_tool_arguments, tool_options
@@ -47,30 +49,12 @@ __all__ = [
     "human_readable_int",
     "main",
     "normalize_argv",
+    "package_version",
     "server_options_from_namespace",
 ]
 
 #: Engine flags that count tokens, so they take human-readable sizes as vLLM's do.
 _TOKEN_COUNTS = ("max_model_len", "max_num_batched_tokens")
-
-
-def human_readable_int(text: str) -> int:
-    """``"32k"`` → 32000, ``"32K"`` → 32768, ``"1.5m"`` → 1500000 (vLLM's reading:
-    lower case counts in thousands, upper case in powers of 1024)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)\s*", text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 4k or 4K, got "
-                                         f"{text!r}")
-    number, suffix = match.groups()
-    power = "kmgt".index(suffix.lower()) + 1 if suffix else 0
-    base = 1024 if suffix.isupper() else 1000
-    if suffix.isupper() and "." in number:
-        raise argparse.ArgumentTypeError(f"{text!r}: a binary size (K, M, G) takes a whole "
-                                         f"number")
-    value = float(number) * base**power if "." in number else int(number) * base**power
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
-    return int(value)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
@@ -79,7 +63,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
     for field in dataclasses.fields(args_class):
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
-        help_text = ENGINE_FLAG_HELP.get(field.name, "") + f" (default: {field.default})"
+        help_text = engine_flag_help(field.name, engine_args.DEFAULT_OPTIMIZATION_LEVEL
+                                     if field.name == "optimization_level" else field.default)
         if field.name == "served_model_name":
             parser.add_argument(flag, nargs="+", default=None, help=help_text)
             continue
@@ -105,11 +90,26 @@ def engine_args_from_namespace(namespace: argparse.Namespace,
     return args_class(**{k: v for k, v in vars(namespace).items() if k in names})
 
 
-def _generate(namespace: argparse.Namespace) -> int:
-    from triollm import LLM, SamplingParams
+def _check_model_sources(args: EngineArgs) -> None:
+    """Raise a one-line ``ValueError`` for a model or tokenizer that cannot load (a
+    local path that does not exist, a hub id while offline and not cached, or one the
+    hub does not have), before torch or the model loads."""
+    for flag, name in (("model", args.model), ("tokenizer", args.tokenizer)):
+        if name is None:
+            continue
+        problem = model_source_problem(name, revision=args.revision,
+                                       download_dir=args.download_dir, probe_hub=True,
+                                       tokenizer=flag == "tokenizer")
+        if problem is not None:
+            raise ValueError(f"{flag} {problem}")
 
+
+def _generate(namespace: argparse.Namespace) -> int:
     apply_cpu_binding(_environment(namespace))
     args = engine_args_from_namespace(namespace)
+    _check_model_sources(args)
+    from triollm import LLM, SamplingParams
+
     llm = LLM(**dataclasses.asdict(args))
     params = SamplingParams(max_tokens=namespace.max_tokens, temperature=namespace.temperature,
                             seed=namespace.sampling_seed)
@@ -124,28 +124,51 @@ def _environment(namespace: argparse.Namespace) -> VllmEnvironment:
 
 
 def _serve(namespace: argparse.Namespace) -> int:
-    from triollm.engine.async_engine import AsyncLLMEngine
-    from triollm.server.serve import serve_blocking
+    """Check what fails in a second (the arguments, the model's source, the address)
+    before torch loads, then the model (seconds to minutes)."""
+    from triollm.server.listen import bind_listening_sockets
 
     if namespace.model_tag is not None:
         namespace.model = namespace.model_tag
-    options = server_options_from_namespace(namespace)
+    values = _server_option_values(namespace)
+    args = engine_args_from_namespace(namespace, AsyncEngineArgs)
+    assert isinstance(args, AsyncEngineArgs)
+    if namespace.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    _check_model_sources(args)
+    options = _server_options(values, bind_listening_sockets(
+        _host(namespace), namespace.port, namespace.uds))
     environment = _environment(namespace)
     configure_logging(environment, options.log_level)
     apply_cpu_binding(environment)
-    args = engine_args_from_namespace(namespace, AsyncEngineArgs)
-    assert isinstance(args, AsyncEngineArgs)
-    if options.lora_modules and not args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
+    from triollm.engine.async_engine import AsyncLLMEngine
+    from triollm.server.serve import serve_blocking
+
     engine = AsyncLLMEngine.from_engine_args(args)  # validates the arguments first
     return serve_blocking(engine, options)
 
 
-def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOptions:
+def _host(namespace: argparse.Namespace) -> str:
+    return namespace.host or "0.0.0.0"  # every interface, as vLLM
+
+
+def server_options_from_namespace(namespace: argparse.Namespace,
+                                  listen_fds: tuple[int, ...] = ()) -> ServerOptions:
     """The server half of ``triollm serve``'s flags (the engine half is
     ``engine_args_from_namespace``)."""
+    return _server_options(_server_option_values(namespace), listen_fds)
+
+
+def _server_options(values: dict[str, Any], listen_fds: tuple[int, ...]) -> ServerOptions:
     from triollm.server.serve import CorsSettings, ServerOptions
 
+    return ServerOptions(**{**values, "cors": CorsSettings(**values["cors"])},
+                         listen_fds=listen_fds)
+
+
+def _server_option_values(namespace: argparse.Namespace) -> dict[str, Any]:
+    """``ServerOptions``' fields from the flags, checked (a ``ValueError`` naming the
+    flag), without importing the server, which imports torch."""
     chat_template = namespace.chat_template
     if chat_template is not None and "{" not in chat_template:
         with open(chat_template, encoding="utf-8") as file:
@@ -155,8 +178,8 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
     if level == "trace":  # uvicorn's level below debug; Python logging has none
         level = "debug"
     keys = namespace.api_key
-    return ServerOptions(
-        host=namespace.host or "0.0.0.0", port=namespace.port, uds=namespace.uds,
+    return dict(
+        host=_host(namespace), port=namespace.port, uds=namespace.uds,
         api_key=tuple(keys) if keys else None,
         served_model_names=tuple([served] if isinstance(served, str) else served or []),
         ssl_keyfile=namespace.ssl_keyfile, ssl_certfile=namespace.ssl_certfile,
@@ -172,7 +195,7 @@ def server_options_from_namespace(namespace: argparse.Namespace) -> ServerOption
             path.strip() for path in (namespace.disable_access_log_for_endpoints or "")
             .split(",") if path.strip()),
         api_docs=not namespace.disable_fastapi_docs, log_level=level.lower(),
-        cors=CorsSettings(
+        cors=dict(
             allowed_origins=tuple(namespace.allowed_origins),
             allow_credentials=namespace.allow_credentials,
             allowed_methods=tuple(namespace.allowed_methods),
@@ -296,6 +319,8 @@ def build_parser(defaults: Mapping[str, Any] | None = None) -> argparse.Argument
     """The ``triollm`` argument parser (``serve`` and ``generate``); ``defaults`` (by
     ``dest``: ``VllmEnvironment.defaults``) replace the flags' own."""
     parser = argparse.ArgumentParser(prog="triollm", description="LLM serving engine")
+    parser.add_argument("-v", "--version", action="version", version=package_version(),
+                        help="print triollm's version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(commands)
     generate = commands.add_parser("generate", help="generate offline for a few prompts")
@@ -310,58 +335,16 @@ def build_parser(defaults: Mapping[str, Any] | None = None) -> argparse.Argument
     return parser
 
 
-def normalize_argv(argv: Sequence[str]) -> list[str]:
-    """vLLM's spellings: ``--max_num_seqs`` is ``--max-num-seqs``, and ``--config FILE``
-    (a YAML mapping of flag names to values) is spliced in before the other flags, so
-    the command line wins."""
-    args: list[str] = []
-    config_files: list[str] = []
-    items = iter(argv)
-    for item in items:
-        if item.startswith("--") and len(item) > 2:
-            name, eq, value = item.partition("=")
-            item = name.replace("_", "-") + eq + value
-            if name.replace("_", "-") == "--config":
-                config_files.append(value if eq else next(items, ""))
-                continue
-        args.append(item)
-    if not config_files:
-        return args
-    spliced: list[str] = []
-    for path in config_files:
-        spliced.extend(_flags_from_yaml(path))
-    # positional arguments (the subcommand, a model) must stay in front
-    split = next((i for i, a in enumerate(args) if a.startswith("-")), len(args))
-    return args[:split] + spliced + args[split:]
+def package_version() -> str:
+    """The installed triollm's version (its package metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-
-def _flags_from_yaml(path: str) -> list[str]:
-    import yaml
-
-    if not path:
-        raise SystemExit("triollm: error: --config needs a YAML file")
     try:
-        with open(path, encoding="utf-8") as file:
-            mapping = yaml.safe_load(file) or {}
-    except (OSError, yaml.YAMLError) as error:
-        raise SystemExit(f"triollm: error: --config {path}: {error}") from None
-    if not isinstance(mapping, dict):
-        raise SystemExit(f"triollm: error: --config {path}: expected a mapping of flag "
-                         f"names to values")
-    flags: list[str] = []
-    for key, value in mapping.items():
-        flag = "--" + str(key).lstrip("-").replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is False:
-            flags.append("--no-" + flag[2:])
-        elif isinstance(value, list):
-            flags.extend([flag, *(str(v) for v in value)])
-        elif isinstance(value, dict):
-            flags.extend([flag, json.dumps(value)])
-        elif value is not None:
-            flags.extend([flag, str(value)])
-    return flags
+        return version("triollm")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from triollm import __version__
+
+        return __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -370,15 +353,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"triollm: error: {error}", file=sys.stderr)
         return 2
-    namespace = build_parser(environment.defaults).parse_args(
-        normalize_argv(sys.argv[1:] if argv is None else argv))
+    try:
+        normalized = normalize_argv(sys.argv[1:] if argv is None else argv)
+    except ValueError as error:
+        print(f"triollm: error: {error}", file=sys.stderr)
+        return 2
+    namespace = build_parser(environment.defaults).parse_args(normalized)
     namespace.vllm_environment = environment
     try:
         handlers: dict[str, Callable[[argparse.Namespace], int]] = {
             "generate": _generate, "serve": _serve}
         return handlers[namespace.command](namespace)
     except ValueError as error:
-        print(f"triollm: error: {error}", file=sys.stderr)
+        print(f"triollm {namespace.command}: error: {error}", file=sys.stderr)
         return 2
 
 

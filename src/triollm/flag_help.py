@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-__all__ = ["ENGINE_FLAG_HELP"]
+__all__ = ["ENGINE_FLAG_DEFAULTS", "ENGINE_FLAG_HELP", "engine_flag_help"]
 
 ENGINE_FLAG_HELP: dict[str, str] = {
-    "model": "model directory or hub id (default: the built-in demo model, random weights)",
-    "tokenizer": "tokenizer directory or hub id (default: the model's)",
+    "model": "model directory or hub id",
+    "tokenizer": "tokenizer directory or hub id",
     "revision": "hub revision (branch, tag or commit) of the model",
-    "tokenizer_revision": "hub revision of the tokenizer (default: --revision when the "
-                          "tokenizer is the model's)",
-    "download_dir": "where hub downloads go (default: the Hugging Face cache)",
+    "tokenizer_revision": "hub revision of the tokenizer",
+    "download_dir": "where hub downloads go",
     "generation_config": "sampling defaults: auto (the model's generation_config.json), "
                          "vllm (none) or a directory holding a generation_config.json",
     "override_generation_config": 'sampling defaults as JSON, over --generation-config\'s '
@@ -22,30 +21,31 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "max_num_batched_tokens": "token budget of one engine step",
     "num_gpu_blocks_override": "fix the number of KV-cache blocks on any device",
     "kv_cache_space_gb": "KV-cache memory on CPU, in GiB",
-    "served_model_name": "the model name(s) the API answers to (default: --model)",
+    "served_model_name": "the model name(s) the API answers to",
     "seed": "random seed of the engine",
-    "max_model_len": "context length (default: the model's)",
+    "max_model_len": "context length",
     "block_size": "tokens per KV-cache block",
     "max_num_seqs": "most sequences in one engine step",
     "enable_chunked_prefill": "split long prompts across steps",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
-    "async_scheduling": "schedule each step while the previous one computes (default: on "
-                        "for generation models on CUDA, off on CPU and for pooling models)",
+    "async_scheduling": "schedule each step while the previous one computes",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
     "trust_remote_code": "allow a model directory's own modeling code",
     "max_logprobs": "the most logprobs or prompt_logprobs one request may ask for; -1: "
                     "the whole vocabulary",
-    "enforce_eager": "compile nothing (on CPU, the model then runs eagerly and decode "
-                     "attention gathers KV blocks "
-                     "instead of running the C or torch.compile'd kernel; pooling "
-                     "models attend with SDPA instead of the C kernel)",
-    "optimization_level": "0: run the model eagerly (fastest start); 1-3: on CPU, compile "
-                          "its forward with torch.compile at start-up (default 2)",
-    "cpu_threads": "compute threads on CPU; default: all usable cores, fewer while other "
-                   "processes keep some busy (docs/api.md)",
+    "enforce_eager": "compile nothing, whatever --optimization-level says: on CPU the "
+                     "model runs eagerly, decode attention gathers KV blocks for SDPA "
+                     "instead of running the C kernel, so the KV cache is fp32 (twice a "
+                     "bf16 model's), and pooling models attend with SDPA",
+    "optimization_level": "-O0 to -O3 for short. 0: run the model's forward eagerly (the C "
+                          "attention kernels still run); 1-3: on CPU, compile the forward "
+                          "with torch.compile, which takes tens of seconds to minutes: the "
+                          "server answers eagerly meanwhile and switches once it is built, "
+                          "generate compiles first (docs/serving.md)",
+    "cpu_threads": "compute threads on CPU (docs/api.md)",
     "tensor_parallel_size": "number of GPUs (only 1 for now)",
     "scheduling_policy": "fcfs, priority or slo (docs/scheduling.md)",
-    "disable_log_requests": "do not log requests (vLLM's older flag; off is the default)",
+    "disable_log_requests": "do not log requests (vLLM's older flag)",
     "disable_log_stats": "do not log engine statistics periodically",
     "max_log_len": "longest prompt prefix printed in request logs",
     "runner": "generate, pooling (embeddings, classifiers, cross-encoders: /v1/embeddings, "
@@ -58,11 +58,10 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "max_loras": "distinct adapters one engine step may hold; requests for others wait "
                  "their turn",
     "max_lora_rank": "the highest adapter rank accepted",
-    "max_cpu_loras": "adapters kept loaded in memory (default: --max-loras); others are "
+    "max_cpu_loras": "adapters kept loaded in memory; others are "
                      "read again from their path when needed",
     "lora_dtype": "dtype of the adapters' weights: auto (the model's), bfloat16, float32",
-    "lora_target_modules": "only these module names take adapters (default: every linear "
-                           "layer but the LM head)",
+    "lora_target_modules": "only these module names take adapters",
     "otlp_traces_endpoint": "send a span per finished request to this OpenTelemetry "
                             "collector (OTLP; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc "
                             "or http/protobuf; needs pip install 'triollm[tracing]')",
@@ -80,3 +79,38 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                      'LAST), use_activation (normalize), dimensions '
                      '(e.g. \'{"pooling_type": "MEAN"}\')',
 }
+
+#: The defaults that ``EngineArgs`` resolves (its field is None, or means more than its
+#: value), in words; tests/test_cli_help.py checks each against the resolved config.
+ENGINE_FLAG_DEFAULTS: dict[str, str] = {
+    "model": "triollm/tiny-demo, the built-in demo model: random weights",
+    "tokenizer": "the model's",
+    "tokenizer_revision": "--revision when the tokenizer is the model's",
+    "download_dir": "the Hugging Face cache",
+    "served_model_name": "--model",
+    "max_model_len": "the model's",
+    "max_num_batched_tokens": "2048; max(2048, --max-model-len) without chunked prefill "
+                              "and for pooling models",
+    "async_scheduling": "on for generation models on CUDA, off on CPU and for pooling "
+                        "models",
+    "num_gpu_blocks_override": "sized by --kv-cache-space-gb on CPU, "
+                               "--gpu-memory-utilization on CUDA",
+    "cpu_threads": "all usable cores, fewer while other processes keep some busy",
+    "max_cpu_loras": "--max-loras",
+    "lora_target_modules": "every linear layer but the LM head",
+    "max_log_len": "the whole prompt",
+    "structured_outputs_config": "backend auto",
+}
+
+
+def engine_flag_help(name: str, default: object) -> str:
+    """The help of an engine flag with its one default: in words where the engine
+    resolves it, else the parser's value (``%(default)s``, so that a default a ``VLLM_*``
+    variable sets shows); none where unset means off. ``default`` is the field's, or for
+    ``optimization_level`` the level the engine resolves None to."""
+    text = ENGINE_FLAG_HELP.get(name, "")
+    if name in ENGINE_FLAG_DEFAULTS:
+        return f"{text} (default: {ENGINE_FLAG_DEFAULTS[name]})"
+    if name == "optimization_level":  # None in EngineArgs: its DEFAULT_OPTIMIZATION_LEVEL
+        return f"{text} (default: {default})"
+    return text if default is None else f"{text} (default: %(default)s)"

@@ -58,6 +58,7 @@ from triollm.server.limits import (
     DEFAULT_MAX_LOGPROB_ENTRIES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
 )
+from triollm.server.listen import listen_address, listen_error
 from triollm.server.metrics import PrometheusStatLogger
 from triollm.server.middleware import ASGIApp
 from triollm.server.routes.lora import LoRAModulePath, load_adapter
@@ -80,6 +81,9 @@ class ServerOptions:
     port: int = 8000
     #: Listen on this Unix domain socket instead of host and port (vLLM's --uds).
     uds: str | None = None
+    #: Sockets already bound to the address (``triollm serve`` binds them before the
+    #: model loads: server/listen.py), served on instead of binding host, port or uds.
+    listen_fds: tuple[int, ...] = ()
     #: One key or several; a request must present one of them.
     api_key: str | Sequence[str] | None = None
     served_model_names: tuple[str, ...] = ()
@@ -181,8 +185,8 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
         app = AccessLog(app, excluded_paths=options.access_log_excluded_paths)
     protocol_errors.install()  # hypercorn's 400 and 431 in OpenAI's shape
     config = Config()
-    config.bind = ([f"unix:{options.uds}"] if options.uds is not None
-                   else [f"{_bracket(options.host)}:{options.port}"])
+    config.bind = ([f"fd://{fd}" for fd in options.listen_fds] if options.listen_fds
+                   else [listen_address(options.host, options.port, options.uds)])
     config.root_path = options.root_path
     config.keyfile = options.ssl_keyfile
     config.certfile = options.ssl_certfile
@@ -297,18 +301,16 @@ async def _watch_signals(handle: ServerHandle, owns_process: bool) -> None:
             handle.shutdown()
 
 
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
 def serve_blocking(engine: AsyncLLMEngine, options: ServerOptions) -> int:
     """Run the server under trio until it stops, as the owner of this process; the exit
-    status."""
+    status. Raises ``ListenError`` when it cannot listen on its address."""
     try:
         trio.run(run_server, engine, dataclasses.replace(options, owns_process=True))
     except KeyboardInterrupt:
         return 0
     except BaseException as error:
+        if (cannot_listen := listen_error(error)) is not None:
+            raise cannot_listen from None
         logger.error("server stopped: %r", error)
         return 1
     return 0
