@@ -19,6 +19,7 @@ import pytest
 
 from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import AsyncEngineArgs, AsyncLLMEngine, EngineArgs, SamplingParams
+from triollm.model.cpu.threads import ComputeThreads
 from triollm.model.runners import background_compile, compile_cache, torch_runner
 from triollm.model.runners import compile as runner_compile
 
@@ -164,3 +165,12 @@ def test_a_compile_cache_the_user_chose_is_kept(tmp_path: Path,
     monkeypatch.setenv(compile_cache.ENVIRONMENT_VARIABLE, str(tmp_path / "mine"))
     assert compile_cache.use_private_compile_cache() == tmp_path / "mine"
     assert not (tmp_path / "cache").exists()
+
+
+def test_adopting_the_compiled_counts_rounds_the_count_in_use_down() -> None:
+    calls: list[int] = []
+    threads = ComputeThreads(4, set_threads=calls.append)
+    threads.keep_to([1, 2])
+    assert threads.threads == 2 and calls[-1] == 2
+    threads.keep_to([1, 2, 4])
+    assert threads.threads == 2

@@ -120,7 +120,8 @@ class ComputeThreads:
         rounded down now."""
         self._allowed = sorted(set(counts) | {1})
         if self.threads not in self._allowed:
-            self._change(max(count for count in self._allowed if count <= self.threads))
+            self._change(max(count for count in self._allowed if count <= self.threads),
+                         log=False)
 
     def adjust(self) -> int:
         """Re-decide the thread count if a window has passed; returns the count."""
@@ -152,9 +153,11 @@ class ComputeThreads:
             self._raise_votes = 0
         return self.threads
 
-    def _change(self, threads: int) -> None:
-        logger.info("other processes keep %.1f of %d cores busy: computing on %d thread%s",
-                    self.others_cores, len(self._cores), threads, "" if threads == 1 else "s")
+    def _change(self, threads: int, *, log: bool = True) -> None:
+        if log:
+            logger.info("other processes keep %.1f of %d cores busy: computing on %d "
+                        "thread%s", self.others_cores, len(self._cores), threads,
+                        "" if threads == 1 else "s")
         self.threads = threads
         self._set_threads(threads)
         # On one thread the C kernels may use helpers on the cores given up (helpers.py).
