@@ -34,8 +34,9 @@ __all__ = ["JOIN_SECONDS", "NICENESS", "BackgroundCompile"]
 
 logger = logging.getLogger(__name__)
 
-#: How long closing waits for a compile to reach a point where it can stop.
-JOIN_SECONDS = 60.0
+#: How long closing waits for a compile to reach a point where it can stop: shutdown
+#: must not wait out an inductor compile (the thread is a daemon: process exit ends it).
+JOIN_SECONDS = 5.0
 #: The compile thread's nice value (0: the model thread's; 19: the lowest priority).
 NICENESS = 10
 
