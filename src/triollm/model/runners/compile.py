@@ -4,16 +4,16 @@ The decode attention is the C kernel (model/cpu/decode.py) where it builds, else
 ``paged_decode_attention`` through ``torch.compile``; either is checked by a forward of
 dummy decodes, and a failure leaves the gather path. With ``compile_model``, the
 decoder (the model less its head) goes through ``torch.compile`` and is compiled at
-once for every shape and thread count it will meet, then checked against the eager
-forward; a failure leaves the model eager.
+once for every shape and thread count it will meet (saved, and loaded by a later start:
+precompiled.py), then checked against the eager forward; a failure leaves the model
+eager.
 
 Each model is compiled into a code object of its own. dynamo keeps compiled code, and
 counts recompiles against ``recompile_limit``, per code object; ``Module.compile``
 would compile the decoder's ``forward``, whose code (transformers' decorators around
-it) every model in the process shares. The compiled graphs hold per-model constants,
-each packed linear layer's ``handle``, which dynamo guards on, so every later model
-added entries to one shared cache until the limit made dynamo run the forward eagerly,
-where the paged attention has no metadata.
+it) every model in the process shares. The compiled graphs' guards name the model's
+own modules, so every later model added entries to one shared cache until the limit
+made dynamo run the forward eagerly, where the paged attention has no metadata.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from triollm.model.attention.torch_decode import compiled_paged_decode_attention
 from triollm.model.cpu.packed_linear import (
     fuse_shared_input_calls,
     group_weights_of_shared_inputs,
+    packed_weights,
+    packed_weights_of,
     recording_calls,
 )
 from triollm.model.cpu.threads import ComputeThreads
@@ -163,9 +165,12 @@ def _compile_on_own_code(module: nn.Module, **options: Any) -> None:
     function = types.FunctionType(_call.__code__.replace(), _call.__globals__, _call.__name__)
     compiled = torch.compile(types.MethodType(function, module), **options)
 
+    weights = packed_weights_of(module)
+
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         if in_compiled_forward():
-            return compiled(*args, **kwargs)
+            with packed_weights(weights):
+                return compiled(*args, **kwargs)
         return module._call_impl(*args, **kwargs)
     module._compiled_call_impl = dispatch
 
@@ -224,12 +229,11 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
                 decoder._compiled_call_impl = precompiled
             _compile_shapes(dummy, attention, shapes, plan.expected, dtype, stop)
             break
-        except CompileStopped:
-            decoder._compiled_call_impl = None
-            logger.info("compiling the model stopped: the engine is shutting down")
-            return False
         except Exception as error:  # a missing or broken C++ toolchain, or a torch bug
             decoder._compiled_call_impl = None
+            if isinstance(error, CompileStopped) or stop():  # dynamo may wrap it
+                logger.info("compiling the model stopped: the engine is shutting down")
+                return False
             if attempt == "saved" and precompiled is not None and precompiled.loaded:
                 logger.warning("the compiled model loaded from the cache failed (%s: %s); "
                                "compiling it again", type(error).__name__, error)

@@ -13,7 +13,8 @@ guards name objects of the process that compiled): the dispatcher picks the func
 the thread count and whether the step has one token, and everything else the compiled
 code depends on is in the cache key (``artifact_key``): torch's and transformers'
 versions, triollm's model code, the model's config and dtype, the decode attention, the
-CPU, and the packed linear layers' handles, which the graph holds as constants.
+CPU, and the packed linear layers' handles (their indices in the model's
+``PackedWeights``, which the graph holds as constants).
 
 Artifacts are pickles, loaded as code, so they are trusted the way the C kernels are
 (model/cpu/build.py): from a directory of this user's that nobody else may write, each a
@@ -29,8 +30,10 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +45,7 @@ from torch import nn
 
 from triollm.model.attention.op import in_compiled_forward
 from triollm.model.cpu.build import cpu_signature, trusted_cache_dir
-from triollm.model.cpu.packed_linear import PackedLinear
+from triollm.model.cpu.packed_linear import PackedLinear, packed_weights, packed_weights_of
 from triollm.model.cpu.private_cache import untrusted_library
 
 __all__ = ["CACHE_NAME", "PrecompiledDecoder", "artifact_key", "cache_directory"]
@@ -54,6 +57,8 @@ CACHE_NAME = "compiled"
 #: Changes whenever what is saved, or how it is keyed, changes.
 _FORMAT = "1"
 _MODEL_CODE = Path(__file__).resolve().parents[1]
+#: A key's artifacts are deleted once no start has used them for this many days.
+_UNUSED_DAYS = 30
 
 
 def _source_hash() -> str:
@@ -105,6 +110,7 @@ class PrecompiledDecoder:
         self.loaded = 0
         self.compiled = 0
         self._functions: dict[tuple[int, bool], Callable[..., Any]] = {}
+        self._weights = packed_weights_of(decoder)
         # the saved bytecode runs in globals of its own; its code is this module's alone
         self._code = types.FunctionType(_call.__code__.replace(), _call.__globals__,
                                         _call.__name__)
@@ -113,11 +119,12 @@ class PrecompiledDecoder:
         if not in_compiled_forward():
             return self.decoder._call_impl(*args, **kwargs)
         key = (torch.get_num_threads(), _tokens(args, kwargs) == 1)
-        function = self._functions.get(key)
-        if function is None:
-            function = self._load(key) or self._compile(key, args, kwargs)
-            self._functions[key] = function
-        return function(self.decoder, *args, **kwargs)
+        with packed_weights(self._weights):
+            function = self._functions.get(key)
+            if function is None:
+                function = self._load(key) or self._compile(key, args, kwargs)
+                self._functions[key] = function
+            return function(self.decoder, *args, **kwargs)
 
     def _path(self, key: tuple[int, bool]) -> Path | None:
         if self.directory is None:
@@ -150,7 +157,7 @@ class PrecompiledDecoder:
             self.discard(key)
             return None
         self.loaded += 1
-        return loaded.fn  # type: ignore[no-any-return]
+        return loaded.fn
 
     def _compile(self, key: tuple[int, bool], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -169,7 +176,7 @@ class PrecompiledDecoder:
             except Exception as error:  # unpicklable state: the compiled code still runs
                 logger.warning("the compiled model could not be saved to %s (%s: %s)",
                                path, type(error).__name__, error)
-        return function.fn  # type: ignore[no-any-return]
+        return function.fn
 
     def _save(self, function: Any, path: Path) -> None:
         from torch._dynamo.aot_compile import AOTCompiledFunction
@@ -203,11 +210,24 @@ def cache_directory(key: str) -> Path | None:
     """The private directory of the artifacts under ``key``; None where it cannot be
     made (the compiled model is then not saved)."""
     try:
-        directory = trusted_cache_dir(CACHE_NAME) / key
+        root = trusted_cache_dir(CACHE_NAME)
+        directory = root / key
         directory.mkdir(mode=0o700, exist_ok=True)
+        os.utime(directory)
+        _prune(root, keep=directory)
     except Exception as error:
         logger.warning("the compiled model is not cached (%s: %s)", type(error).__name__,
                        error)
         return None
     return directory
 
+
+
+def _prune(root: Path, keep: Path) -> None:
+    """Delete the artifacts of keys no start has used for ``_UNUSED_DAYS`` (each key's
+    directory is touched whenever a start uses it): a new torch, triollm or model
+    config makes a new key and leaves the old one unused."""
+    cutoff = time.time() - _UNUSED_DAYS * 86400
+    for directory in root.iterdir():
+        if directory != keep and directory.is_dir() and directory.stat().st_mtime < cutoff:
+            shutil.rmtree(directory, ignore_errors=True)
