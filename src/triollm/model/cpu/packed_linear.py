@@ -387,7 +387,7 @@ def pack_linear_layers(model: nn.Module) -> int:
     """Replace the model's packable CPU linear layers by ``PackedLinear``, in place.
 
     Returns how many were replaced. They share one ``PackedWeights``, their handles
-    numbered in the order of ``model.modules()``."""
+    numbered from 0 in the order they are packed (the same for the same model)."""
     weights = PackedWeights()
     uses = Counter(id(parameter) for _, parameter in
                    model.named_parameters(remove_duplicate=False))
