@@ -4,7 +4,6 @@ thread count, and an eager fallback when compiling fails."""
 
 from __future__ import annotations
 
-import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -82,6 +81,7 @@ def test_a_model_that_fails_to_compile_runs_eagerly(
         return run
 
     monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(runner_compile, "cache_directory", lambda key: None)  # none saved
     with caplog.at_level(logging.WARNING, logger=runner_compile.__name__):
         llm = LLM(str(llama_path), dtype="float32", max_model_len=128,
                   num_gpu_blocks_override=256, optimization_level=2)
@@ -105,14 +105,26 @@ def test_optimization_level_out_of_range_is_refused_by_name(level: Any,
         LLM(str(llama_path), optimization_level=level)
 
 
-def test_a_packed_weight_is_registered_while_its_layer_lives() -> None:
-    layer = packed_linear.PackedLinear(torch.randn(8, 4), None)
-    handle = layer.handle
+def test_the_op_reads_the_layer_of_the_model_whose_forward_runs() -> None:
+    """Handles number a model's layers from 0, so two models' handles coincide; the op
+    reads the weights ``packed_weights`` set, and none outside it."""
+    first, second = (packed_linear.PackedLinear(torch.randn(8, 4), None) for _ in range(2))
+    assert first.handle == second.handle == 0
     x = torch.randn(3, 4)
-    assert torch.allclose(packed_linear.packed_linear(x, handle, 8), layer(x))
-    del layer
-    gc.collect()
-    assert handle not in packed_linear._registered
+    for layer in (first, second):
+        with packed_linear.packed_weights(layer.weights):
+            assert torch.allclose(packed_linear.packed_linear(x, 0, 8), layer(x))
+    with pytest.raises(RuntimeError, match="outside packed_weights"):
+        packed_linear.packed_linear(x, 0, 8)
+
+
+def test_a_model_s_packed_layers_are_numbered_from_zero_on_one_registry(llama_path: Path) -> None:
+    """The same in every process that packs the model: what saved compiled code needs."""
+    model = LLM(str(llama_path), dtype="float32", max_model_len=128,
+                num_gpu_blocks_override=256, optimization_level=0).engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, packed_linear.PackedLinear)]
+    assert sorted(layer.handle for layer in layers) == list(range(len(layers)))
+    assert {id(layer.weights) for layer in layers} == {id(layers[0].weights)}
 
 
 def _bf16_compiled_llm(path: Path) -> LLM:
@@ -177,6 +189,9 @@ def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> No
         pytest.skip("layers are grouped on model/cpu/gemm.py's layout only (AVX512-BF16)")
     layers = [packed_linear.PackedLinear(torch.randn(16, 8).bfloat16(), None)
               for _ in range(3)]
+    weights = packed_linear.PackedWeights()
+    for layer in layers:
+        weights.adopt(layer)
     x = torch.randn(2, 8).bfloat16()
     expected = [layer(x) for layer in layers]
     assert packed_linear.group_weights_of_shared_inputs([(x, layer) for layer in layers[:2]]) == 1
@@ -184,13 +199,16 @@ def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> No
         layers[1].packed_weight.data_ptr())
     first, second, third = (layer.handle for layer in layers)
     fused = _graph_of_calls([0, 0], [first, second])
-    assert packed_linear.fuse_shared_input_calls(fused) == 1
+    assert packed_linear.fuse_shared_input_calls(fused, weights) == 1
     module = torch.fx.GraphModule(torch.nn.Module(), fused)
-    for got, want in zip(module(x), expected[:2], strict=True):
+    with packed_linear.packed_weights(weights):
+        got_all = module(x)
+    for got, want in zip(got_all, expected[:2], strict=True):
         assert torch.equal(got, want)
     for inputs, handles in (([0, 0, 0], [first, second, third]), ([0, 1], [first, second]),
                             ([0, 0], [second, first])):
-        assert packed_linear.fuse_shared_input_calls(_graph_of_calls(inputs, handles)) == 0
+        assert packed_linear.fuse_shared_input_calls(_graph_of_calls(inputs, handles),
+                                                     weights) == 0
 
 
 @pytest.fixture
@@ -227,8 +245,8 @@ def test_each_family_compiled_at_the_shipped_default_equals_transformers(
 def test_the_nth_engine_in_a_process_is_compiled_like_the_first(
         llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Engines of one model built one after another each compile their own forward:
-    dynamo's compiled code for one model (whose graph holds that model's packed-weight
-    handles) neither stands in for another's nor counts towards its recompile limit."""
+    dynamo's compiled code for one model (whose guards name that model's modules)
+    neither stands in for another's nor counts towards its recompile limit."""
     configurations: list[dict[str, Any]] = [
         {}, {"max_num_seqs": 4}, {"block_size": 8, "max_num_batched_tokens": 32}]
     eager = LLM(str(llama_path), max_model_len=128, num_gpu_blocks_override=64,

@@ -37,9 +37,8 @@ overhead besides the kernel.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import weakref
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
@@ -53,10 +52,13 @@ from triollm.model.ops import define_op
 
 __all__ = [
     "PackedLinear",
+    "PackedWeights",
     "fuse_shared_input_calls",
     "group_weights_of_shared_inputs",
     "pack_linear_layers",
     "packed_linear",
+    "packed_weights",
+    "packed_weights_of",
     "padded_rows",
     "pads_rows",
     "recording_calls",
@@ -74,10 +76,12 @@ class PackedLinear(nn.Module):
     opaque ``_mkldnn`` tensor that only oneDNN's linear reads; in gemm.py's it is a
     plain ``[out/16, in/2, 16, 2]`` tensor that only the C kernel reads the right way.
     Neither is something ``torch.compile`` should trace, so a compiled model calls the
-    custom op ``triollm::packed_linear`` with the layer's ``handle``, under which the
-    packed weight is registered for as long as the module lives."""
+    custom op ``triollm::packed_linear`` with the layer's ``handle``, its index in its
+    model's ``PackedWeights`` (``weights``): the same in every process that packs the
+    same model, so compiled code saved by one runs in another."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 weights: PackedWeights | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         gemm = _gemm_for(weight)
@@ -87,9 +91,8 @@ class PackedLinear(nn.Module):
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             self.bias = None if bias is None else bias.detach()
-        self.handle = next(_handles)
-        _registered[self.handle] = (self.packed_weight, self.bias)
-        weakref.finalize(self, _registered.pop, self.handle, None)
+        self.weights = PackedWeights() if weights is None else weights
+        self.handle = self.weights.add(self.packed_weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # not is_compiling(): that is true on every thread while one compiles
@@ -121,13 +124,59 @@ def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | N
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
-_handles = itertools.count()
-#: handle -> (packed weight, bias) of every live ``PackedLinear``.
-_registered: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+class PackedWeights:
+    """One model's packed weights by handle: its ``PackedLinear`` layers' and its groups'
+    (``group_weights_of_shared_inputs``). A compiled forward finds them through
+    ``packed_weights``, set on its thread while it runs."""
+
+    def __init__(self) -> None:
+        #: handle -> (packed weight, bias)
+        self.by_handle: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        #: (member handles, in call order) -> (the group's handle, each member's
+        #: out_features)
+        self.groups: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}
+
+    def add(self, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+        """Register a packed weight and its bias; returns its handle."""
+        self.by_handle.append((weight, bias))
+        return len(self.by_handle) - 1
+
+    def adopt(self, layer: PackedLinear) -> None:
+        """Move ``layer`` (packed on weights of its own) onto these, under a new handle."""
+        layer.weights = self
+        layer.handle = self.add(layer.packed_weight, layer.bias)
+
+
+_current = threading.local()
+
+
+@contextlib.contextmanager
+def packed_weights(weights: PackedWeights | None) -> Iterator[None]:
+    """The packed weights the ``packed_linear`` op reads on this thread within the block:
+    those of the model whose compiled forward runs."""
+    previous = getattr(_current, "weights", None)
+    _current.weights = weights
+    try:
+        yield
+    finally:
+        _current.weights = previous
+
+
+def packed_weights_of(model: nn.Module) -> PackedWeights | None:
+    """The packed weights of ``model``'s ``PackedLinear`` layers; None: it has none."""
+    return next((module.weights for module in model.modules()
+                 if isinstance(module, PackedLinear)), None)
+
+
+def _current_weights() -> PackedWeights:
+    weights: PackedWeights | None = getattr(_current, "weights", None)
+    if weights is None:
+        raise RuntimeError("triollm::packed_linear called outside packed_weights")
+    return weights
 
 
 def _packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    packed_weight, bias = _registered[handle]
+    packed_weight, bias = _current_weights().by_handle[handle]
     return _linear(x, packed_weight, bias)
 
 
@@ -135,7 +184,8 @@ def _packed_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torc
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-#: ``PackedLinear`` number ``handle``'s product, as an op a compiled graph can call.
+#: The product of the layer ``handle`` of the model whose forward runs (``packed_weights``),
+#: as an op a compiled graph can call.
 packed_linear = define_op("packed_linear(Tensor x, int handle, int out_features) -> Tensor",
                           _packed_linear, _packed_linear_fake)
 
@@ -192,28 +242,20 @@ def runs_on_one_input(calls: list[tuple[torch.Tensor, Layer]],
     return runs
 
 
-#: (member handles, in call order) -> (the group's handle, each member's out_features).
-_groups: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}
-
-
-def _forget_group(members: tuple[int, ...]) -> None:
-    group = _groups.pop(members, None)
-    if group is not None:
-        _registered.pop(group[0], None)
-
-
 @torch.no_grad()
 def group_weights_of_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]]) -> int:
     """Group the layers ``calls`` (``recording_calls``) shows called one after another on
     the same input tensor: each run of two or more, all on gemm.py's layout with the
     same input size and all with or all without a bias, gets its weights moved into one
     tensor (each layer's packed weight becomes a view of it) registered as one more
-    handle. Returns how many groups were made."""
+    handle of their model's weights. Returns how many groups were made."""
     grouped = 0
     seen: set[int] = set()
     for run in runs_on_one_input(calls):
         handles = tuple(layer.handle for layer in run)
-        if (handles in _groups or seen & set(handles)
+        weights = run[0].weights
+        if (handles in weights.groups or seen & set(handles)
+                or any(layer.weights is not weights for layer in run)
                 or any(layer.packed_weight.is_mkldnn for layer in run)
                 or len({layer.bias is None for layer in run}) > 1):
             continue
@@ -227,21 +269,25 @@ def group_weights_of_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]
             layer.packed_weight = weight[blocks:blocks + count]
             if bias is not None:
                 layer.bias = bias[16 * blocks:16 * (blocks + count)]
-            _registered[layer.handle] = (layer.packed_weight, layer.bias)
+            weights.by_handle[layer.handle] = (layer.packed_weight, layer.bias)
             blocks += count
-        handle = next(_handles)
-        _registered[handle] = (weight, bias)
-        _groups[handles] = (handle, tuple(layer.out_features for layer in run))
-        weakref.finalize(run[0], _forget_group, handles)
+        weights.groups[handles] = (weights.add(weight, bias),
+                                   tuple(layer.out_features for layer in run))
         grouped += 1
     return grouped
 
 
-def fuse_shared_input_calls(graph: torch.fx.Graph) -> int:
+def fuse_shared_input_calls(graph: torch.fx.Graph, weights: PackedWeights | None = None
+                            ) -> int:
     """In a graph traced by ``torch.compile``, replace the ``packed_linear`` calls of each
     group ``group_weights_of_shared_inputs`` made, where all of its members are called on one input,
     by one call over the group's weights and a slice of its result for each member.
-    Returns how many groups were fused."""
+    ``weights``: the model's (default: the ones ``packed_weights`` set on this thread,
+    if any). Returns how many groups were fused."""
+    if weights is None:
+        weights = getattr(_current, "weights", None)
+        if weights is None:
+            return 0
     calls_on: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target is packed_linear and not node.kwargs:
@@ -250,7 +296,7 @@ def fuse_shared_input_calls(graph: torch.fx.Graph) -> int:
                 calls_on.setdefault(source, []).append(node)
     fused = 0
     for source, nodes in calls_on.items():
-        group = _groups.get(tuple(int(node.args[1]) for node in nodes))  # type: ignore[arg-type]
+        group = weights.groups.get(tuple(int(node.args[1]) for node in nodes))  # type: ignore[arg-type]
         if group is None:
             continue
         handle, sizes = group
@@ -316,7 +362,8 @@ def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
 
 
 def _packed_if_equal(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
-    """A ``PackedLinear`` that gives what ``F.linear`` gives on a random input, else None."""
+    """A ``PackedLinear`` (on weights of its own) that gives what ``F.linear`` gives on a
+    random input, else None."""
     try:
         packed = PackedLinear(weight, bias)
         probe = torch.randn(3, weight.shape[1], dtype=weight.dtype,
@@ -339,7 +386,9 @@ def _packed_if_equal(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedL
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace the model's packable CPU linear layers by ``PackedLinear``, in place.
 
-    Returns how many were replaced."""
+    Returns how many were replaced. They share one ``PackedWeights``, their handles
+    numbered from 0 in the order they are packed (the same for the same model)."""
+    weights = PackedWeights()
     uses = Counter(id(parameter) for _, parameter in
                    model.named_parameters(remove_duplicate=False))
     replaced = 0
@@ -353,6 +402,7 @@ def pack_linear_layers(model: nn.Module) -> int:
                 continue
             packed = _packed_if_equal(*_weight_and_bias(child))
             if packed is not None:
+                weights.adopt(packed)
                 setattr(parent, name, packed)
                 replaced += 1
     return replaced

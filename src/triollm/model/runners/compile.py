@@ -4,16 +4,16 @@ The decode attention is the C kernel (model/cpu/decode.py) where it builds, else
 ``paged_decode_attention`` through ``torch.compile``; either is checked by a forward of
 dummy decodes, and a failure leaves the gather path. With ``compile_model``, the
 decoder (the model less its head) goes through ``torch.compile`` and is compiled at
-once for every shape and thread count it will meet, then checked against the eager
-forward; a failure leaves the model eager.
+once for every shape and thread count it will meet (saved, and loaded by a later start:
+precompiled.py), then checked against the eager forward; a failure leaves the model
+eager.
 
 Each model is compiled into a code object of its own. dynamo keeps compiled code, and
 counts recompiles against ``recompile_limit``, per code object; ``Module.compile``
 would compile the decoder's ``forward``, whose code (transformers' decorators around
-it) every model in the process shares. The compiled graphs hold per-model constants,
-each packed linear layer's ``handle``, which dynamo guards on, so every later model
-added entries to one shared cache until the limit made dynamo run the forward eagerly,
-where the paged attention has no metadata.
+it) every model in the process shares. The compiled graphs' guards name the model's
+own modules, so every later model added entries to one shared cache until the limit
+made dynamo run the forward eagerly, where the paged attention has no metadata.
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ from triollm.model.attention.torch_decode import compiled_paged_decode_attention
 from triollm.model.cpu.packed_linear import (
     fuse_shared_input_calls,
     group_weights_of_shared_inputs,
+    packed_weights,
+    packed_weights_of,
     recording_calls,
 )
 from triollm.model.cpu.threads import ComputeThreads
 from triollm.model.runners.batch import DecodeAttention, decode_groups, run_forward
+from triollm.model.runners.precompiled import PrecompiledDecoder, artifact_key, cache_directory
 
 __all__ = ["CompilePlan", "CompileStopped", "DummyDecodes", "build_compiled",
            "choose_decode_attention", "compile_model", "plan_compile"]
@@ -162,9 +165,12 @@ def _compile_on_own_code(module: nn.Module, **options: Any) -> None:
     function = types.FunctionType(_call.__code__.replace(), _call.__globals__, _call.__name__)
     compiled = torch.compile(types.MethodType(function, module), **options)
 
+    weights = packed_weights_of(module)
+
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         if in_compiled_forward():
-            return compiled(*args, **kwargs)
+            with packed_weights(weights):
+                return compiled(*args, **kwargs)
         return module._call_impl(*args, **kwargs)
     module._compiled_call_impl = dispatch
 
@@ -207,36 +213,79 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
     dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(plan.counts) + 2)
     started = time.perf_counter()
     shapes = [(count, batch) for count in plan.counts for batch in (1, dummy.rows)]
-    try:
-        _compile_on_own_code(decoder, dynamic=True,
-                             backend=_inductor_with_shared_input_calls_fused(stop))
-        for index, (count, batch) in enumerate(shapes, 1):
-            if stop():
-                raise CompileStopped
-            logger.info("compiling the model: %d/%d (%d thread%s, %d token%s)...", index,
-                        len(shapes), count, "" if count == 1 else "s", batch,
-                        "" if batch == 1 else "s")
-            torch.set_num_threads(count)
-            got = dummy.run(attention, compiled=True, rows=batch)
-        expected = plan.expected
-        tolerance = 1e-3 if dtype == torch.float32 else 5e-2
-        scale = float(expected.abs().max()) + 1.0
-        if not torch.allclose(got.float(), expected.float(), rtol=0.0,
-                              atol=tolerance * scale):
-            raise RuntimeError("the compiled forward's logits differ from the eager one's "
-                               f"by {float((got - expected).abs().max()):.3g}")
-    except Exception as error:  # a missing or broken C++ toolchain, or a torch bug
-        decoder._compiled_call_impl = None
-        if stop():  # CompileStopped, which dynamo may have wrapped
-            logger.info("compiling the model stopped: the engine is shutting down")
+    backend = _inductor_with_shared_input_calls_fused(stop)
+    # the saved (AOT) compile first; where it fails, dynamo's, which traces every start
+    precompiled: PrecompiledDecoder | None = None
+    attempts = ["saved", "saved again", "dynamo"]
+    while attempts:
+        attempt = attempts.pop(0)
+        try:
+            if attempt == "dynamo":
+                precompiled = None
+                _compile_on_own_code(decoder, dynamic=True, backend=backend)
+            else:
+                precompiled = PrecompiledDecoder(
+                    decoder, cache_directory(_key(dummy, attention, dtype)), backend)
+                decoder._compiled_call_impl = precompiled
+            _compile_shapes(dummy, attention, shapes, plan.expected, dtype, stop)
+            break
+        except Exception as error:  # a missing or broken C++ toolchain, or a torch bug
+            decoder._compiled_call_impl = None
+            if isinstance(error, CompileStopped) or stop():  # dynamo may wrap it
+                logger.info("compiling the model stopped: the engine is shutting down")
+                return False
+            if attempt == "saved" and precompiled is not None and precompiled.loaded:
+                logger.warning("the compiled model loaded from the cache failed (%s: %s); "
+                               "compiling it again", type(error).__name__, error)
+                precompiled.discard()
+                continue
+            if attempt != "dynamo":
+                logger.warning("compiling the model to save it failed (%s: %s); compiling "
+                               "it for this process only", type(error).__name__, error)
+                if precompiled is not None:
+                    precompiled.discard()
+                attempts = ["dynamo"]
+                continue
+            logger.warning("compiling the model failed (%s: %s); it runs eagerly",
+                           type(error).__name__, error)
             return False
-        logger.warning("compiling the model failed (%s: %s); it runs eagerly",
-                       type(error).__name__, error)
-        return False
-    logger.info("compiled the model in %.1f s (thread counts %s; %d groups of linear "
-                "layers on one input)", time.perf_counter() - started, plan.counts,
-                plan.grouped)
+    if precompiled is not None and precompiled.loaded:
+        logger.info("loaded the compiled model from %s in %.1f s (%d of %d shapes "
+                    "compiled)", precompiled.directory, time.perf_counter() - started,
+                    precompiled.compiled, len(shapes))
+    else:
+        logger.info("compiled the model in %.1f s (thread counts %s; %d groups of linear "
+                    "layers on one input)", time.perf_counter() - started, plan.counts,
+                    plan.grouped)
     return True
+
+
+def _key(dummy: DummyDecodes, attention: DecodeAttention, dtype: torch.dtype) -> str:
+    kernel = attention.kernel
+    return artifact_key(dummy.model, dtype,
+                        getattr(kernel, "__qualname__", type(kernel).__qualname__),
+                        str(attention.step is not None), str(attention.padding_keys),
+                        str(dummy.kv_cache.keys[0].dtype))
+
+
+def _compile_shapes(dummy: DummyDecodes, attention: DecodeAttention,
+                    shapes: list[tuple[int, int]], expected: torch.Tensor,
+                    dtype: torch.dtype, stop: Callable[[], bool]) -> None:
+    """Run the compiled forward for each (thread count, batch) of ``shapes``, compiling
+    it; ``RuntimeError`` where the last one's logits differ from ``expected``."""
+    for index, (count, batch) in enumerate(shapes, 1):
+        if stop():
+            raise CompileStopped
+        logger.info("compiling the model: %d/%d (%d thread%s, %d token%s)...", index,
+                    len(shapes), count, "" if count == 1 else "s", batch,
+                    "" if batch == 1 else "s")
+        torch.set_num_threads(count)
+        got = dummy.run(attention, compiled=True, rows=batch)
+    tolerance = 1e-3 if dtype == torch.float32 else 5e-2
+    scale = float(expected.abs().max()) + 1.0
+    if not torch.allclose(got.float(), expected.float(), rtol=0.0, atol=tolerance * scale):
+        raise RuntimeError("the compiled forward's logits differ from the eager one's "
+                           f"by {float((got - expected).abs().max()):.3g}")
 
 
 def compile_model(dummy: DummyDecodes, attention: DecodeAttention, threads: ComputeThreads,
