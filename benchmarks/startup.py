@@ -368,7 +368,7 @@ def print_report(starts: list[Start], args: argparse.Namespace) -> None:
           "ratio to the steady state (the median of the requests after the profile):")
     print("| model | start | engine | steady s | first | worst | median | "
           f"per {args.bucket_seconds:.0f} s from the first answer |")
-    print("|---" * 7 + "|")
+    print("|---" * 8 + "|")
     for s in starts:
         if not s.profile or not s.steady:
             continue
@@ -406,7 +406,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bucket-seconds", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=64,
                         help="output tokens of the profile's fixed request")
-    parser.add_argument("--kv-cache-gb", type=float, default=4.0)
+    parser.add_argument("--kv-cache-gb", type=int, default=4,
+                        help="KV-cache GiB for each engine")
     parser.add_argument("--start-timeout", type=float, default=1200.0,
                         help="seconds a start may take to its first answer")
     parser.add_argument("--triollm-arg", action="append", default=[],
