@@ -24,10 +24,10 @@ requests, the worst and the median of the first ``--profile-seconds``, and each
 The models: ``demo`` (triollm's built-in ``triollm/tiny-demo``; vLLM loads the same
 config, tokenizer and random weights saved to a directory) and ``0.5b`` (Qwen2.5-0.5B's
 shape, random bf16 weights, a 32,000-token byte-level BPE tokenizer). Both engines run
-with ``--dtype bfloat16``, ``--max-model-len 1024``, ``--max-num-seqs 64`` and a KV cache
-of ``--kv-cache-gb`` GiB (``--kv-cache-space-gb`` / ``VLLM_CPU_KVCACHE_SPACE``);
-everything else at each engine's defaults (vLLM on a 2-core machine computes on one core
-and keeps the other for its front-end process).
+with ``--dtype`` (bfloat16 unless told), ``--max-model-len 1024``, ``--max-num-seqs 64``
+and a KV cache of ``--kv-cache-gb`` GiB (``--kv-cache-space-gb`` /
+``VLLM_CPU_KVCACHE_SPACE``); everything else at each engine's defaults (vLLM on a
+2-core machine computes on one core and keeps the other for its front-end process).
 
 While each start runs, vs_vllm.py's ``LoadSampler`` records how many cores the rest of
 the machine kept busy; a figure measured while others used more than a tenth of a core
@@ -70,6 +70,8 @@ ENGINES = ("triollm", "vllm")
 #: compile announces the switch; a triollm that compiles before serving says when it is
 #: done. vLLM compiles before it serves and its first answer already uses the result.
 COMPILED = re.compile(r"compiled forward in use|compiled the model in")
+#: A log line saying the compile failed, so the model stays eager: stop waiting.
+COMPILE_FAILED = re.compile(r"compiling the model failed")
 SERVED_NAME = "bench"
 PROMPT = "one two three four five six seven eight " * 4
 #: Qwen2.5-0.5B's shape (its vocabulary replaced by a 32k one).
@@ -174,6 +176,7 @@ class Server:
     def __init__(self, command: list[str], env: dict[str, str], log: Path) -> None:
         self.log = log
         self.compiled_s: float | None = None
+        self.compile_failed = False
         self.lines: list[str] = []
         self.launched = time.monotonic()
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
@@ -194,6 +197,7 @@ class Server:
                 now = self.since()
                 if self.compiled_s is None and COMPILED.search(line):
                     self.compiled_s = now
+                self.compile_failed = self.compile_failed or bool(COMPILE_FAILED.search(line))
                 self.lines.append(line)
                 file.write(f"[{now:8.3f}] {line}")
                 file.flush()
@@ -229,7 +233,7 @@ def _group_alive(pgid: int) -> bool:
 
 def command_for(engine: str, model: str, directory: Path, port: int,
                 args: argparse.Namespace) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+    common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
               "--max-model-len", "1024", "--max-num-seqs", "64",
               "--served-model-name", SERVED_NAME]
     if engine == "vllm":
@@ -306,7 +310,7 @@ def profile(server: Server, port: int, start: Start, args: argparse.Namespace) -
     while True:
         now = server.since()
         if now >= until and (start.engine == "vllm" or server.compiled_s is not None
-                             or now >= give_up):
+                             or server.compile_failed or now >= give_up):
             break
         start.profile.append((now, completion(url, args.max_tokens, 600)))
     start.steady = [completion(url, args.max_tokens, 600)
@@ -349,6 +353,14 @@ def seconds(value: float | None) -> str:
 def load_flag(start: Start) -> str:
     return (f" (others {start.start_others_cores:.2f}/{start.profile_others_cores:.2f} "
             "cores: contaminated)") if start.contaminated else ""
+
+
+def print_start(start: Start) -> None:
+    print(f"{start.engine} {start.model} {start.phase}: first answer "
+          f"{seconds(start.answer_s)} s (port {seconds(start.port_s)}, /health "
+          f"{seconds(start.health_s)}, compiled in use {seconds(start.compiled_s)}); "
+          f"steady {start.steady_s:.3f} s; others {start.start_others_cores:.2f}/"
+          f"{start.profile_others_cores:.2f} cores", flush=True)
 
 
 def print_report(starts: list[Start], args: argparse.Namespace) -> None:
@@ -406,6 +418,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bucket-seconds", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=64,
                         help="output tokens of the profile's fixed request")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="what both engines compute in")
     parser.add_argument("--kv-cache-gb", type=int, default=4,
                         help="KV-cache GiB for each engine")
     parser.add_argument("--start-timeout", type=float, default=1200.0,
@@ -446,24 +460,21 @@ def main() -> None:
     with work_dir(args.work) as work:
         args.work = work
         dirs = model_dirs(args.models, work)
-        for model in args.models:
-            for engine in args.engines:
-                caches = work / "caches" / f"{engine}-{model}"
-                for phase in args.phases:
-                    if phase == "cold":
-                        shutil.rmtree(caches, ignore_errors=True)
-                    caches.mkdir(parents=True, exist_ok=True)
-                    start = run_start(engine, model, phase, dirs[model], caches, args)
-                    starts.append(start)
-                    print(f"{engine} {model} {phase}: first answer {seconds(start.answer_s)}"
-                          f" s (port {seconds(start.port_s)}, /health "
-                          f"{seconds(start.health_s)}, compiled in use "
-                          f"{seconds(start.compiled_s)}); steady {start.steady_s:.3f} s; "
-                          f"others {start.start_others_cores:.2f}/"
-                          f"{start.profile_others_cores:.2f} cores", flush=True)
-        print_report(starts, args)
-        if args.json is not None:
-            args.json.write_text(json.dumps([asdict(s) for s in starts], indent=1))
+        try:
+            for model in args.models:
+                for engine in args.engines:
+                    caches = work / "caches" / f"{engine}-{model}"
+                    for phase in args.phases:
+                        if phase == "cold":
+                            shutil.rmtree(caches, ignore_errors=True)
+                        caches.mkdir(parents=True, exist_ok=True)
+                        start = run_start(engine, model, phase, dirs[model], caches, args)
+                        starts.append(start)
+                        print_start(start)
+        finally:  # interrupted too: report what was measured
+            print_report(starts, args)
+            if args.json is not None:
+                args.json.write_text(json.dumps([asdict(s) for s in starts], indent=1))
 
 
 if __name__ == "__main__":
