@@ -83,6 +83,12 @@ class ModelConfig:
     runner: RunnerKind = "generate"
     #: How a pooling model turns hidden states into its output (None for ``generate``).
     pooler: PoolerConfig | None = None
+    #: The effective ``optimization_level`` (0 under ``enforce_eager``), for the log.
+    optimization_level: int = 0
+    #: With ``compile_model``: serve eagerly at once and switch to the compiled forward
+    #: when a thread of the runner's has built it (the async engine), instead of
+    #: compiling before the runner is returned (``LLM``).
+    compile_in_background: bool = False
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,8 @@ class EngineArgs:
         served = self.served_model_name
         if isinstance(served, list):
             served = served[0] if served else None
+        level = (DEFAULT_OPTIMIZATION_LEVEL if self.optimization_level is None
+                 else self.optimization_level)
         model = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer or self.model,
@@ -183,9 +185,8 @@ class EngineArgs:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             enforce_eager=self.enforce_eager,
-            compile_model=not self.enforce_eager and (
-                DEFAULT_OPTIMIZATION_LEVEL if self.optimization_level is None
-                else self.optimization_level) > 0,
+            compile_model=not self.enforce_eager and level > 0,
+            optimization_level=0 if self.enforce_eager else level,
             cpu_threads=self.cpu_threads,
             max_logprobs=self.max_logprobs,
             hf_config=hf_config,
@@ -286,3 +287,10 @@ class AsyncEngineArgs(EngineArgs):
     disable_log_requests: bool = False
     disable_log_stats: bool = False
     max_log_len: int | None = None
+
+    def create_engine_config(self) -> EngineConfig:
+        """``EngineArgs.create_engine_config``, with the model compiled in the background
+        while the engine already serves eagerly (the async engine's start-up)."""
+        config = super().create_engine_config()
+        return dataclasses.replace(config, model=dataclasses.replace(
+            config.model, compile_in_background=True))

@@ -102,6 +102,8 @@ class AsyncEngineAPI:
             prefix_cache_hits=stats.prefix_cache_hits,
             grammar_cache_hits=grammars.hits,
             grammar_cache_misses=grammars.misses,
+            compiled_forward=bool(getattr(core.runner, "compiled", False)),
+            compiling=bool(getattr(core.runner, "compiling", False)),
         )
 
     def _record_stats(self) -> None:

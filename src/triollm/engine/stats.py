@@ -137,6 +137,10 @@ class EngineStatistics:
     #: constraints compiled, since start.
     grammar_cache_hits: int = 0
     grammar_cache_misses: int = 0
+    #: Whether steps run the compiled forward, and whether the runner is still
+    #: compiling it in the background (the next step after that ends switches to it).
+    compiled_forward: bool = False
+    compiling: bool = False
 
     @property
     def kv_cache_usage(self) -> float:

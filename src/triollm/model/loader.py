@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +133,8 @@ def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dic
                  download_dir: str | None) -> PreTrainedModel:
     """``auto.from_pretrained`` (the demo model: seeded random weights), checked, in eval
     mode on ``device``."""
+    logger.info("loading the model %s...", model)
+    started = time.perf_counter()
     if model == DEMO_MODEL_NAME:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -141,7 +144,11 @@ def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dic
                                       trust_remote_code=trust_remote_code,
                                       **_hub(revision, download_dir), **kwargs)
     check_supported(type(loaded))
-    return loaded.to(device).eval()
+    loaded = loaded.to(device).eval()
+    size = sum(p.numel() * p.element_size() for p in loaded.parameters())
+    logger.info("loaded the model in %.1f s (%.2f GiB of weights)",
+                time.perf_counter() - started, size / 2**30)
+    return loaded
 
 
 def load_pooling_model(

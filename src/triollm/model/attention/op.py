@@ -17,7 +17,7 @@ from triollm.model.attention.compute import write_and_attend
 from triollm.model.attention.metadata import PagedAttentionMetadata
 from triollm.model.ops import define_op
 
-__all__ = ["forward_metadata", "paged_attention"]
+__all__ = ["forward_metadata", "in_compiled_forward", "paged_attention"]
 
 _forward = threading.local()
 
@@ -31,6 +31,12 @@ def forward_metadata(metadata: PagedAttentionMetadata) -> Iterator[None]:
         yield
     finally:
         _forward.metadata = None
+
+
+def in_compiled_forward() -> bool:
+    """Whether a compiled forward runs on this thread (``forward_metadata`` is set): a
+    compiled module's calls go to its compiled code only there (runners/compile.py)."""
+    return getattr(_forward, "metadata", None) is not None
 
 
 def _paged_attention_op(

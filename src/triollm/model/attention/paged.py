@@ -45,7 +45,8 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(sliding_window, int) and sliding_window <= 0:
         sliding_window = None
-    if torch.compiler.is_compiling():
+    # not is_compiling(): that is true on every thread while one compiles
+    if torch.compiler.is_dynamo_compiling():
         out = paged_attention(query[0], key[0], value[0], getattr(module, LAYER_ATTRIBUTE),
                               scale, sliding_window, softcap)
         return out.transpose(0, 1).unsqueeze(0), None

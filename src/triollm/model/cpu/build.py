@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -54,8 +55,8 @@ from triollm.model.cpu.private_cache import (
 )
 
 __all__ = ["CSRC", "FLAGS", "KERNELS", "KernelBuildError", "KernelSource", "build",
-           "compile_only", "cpu_flags", "cpu_signature", "load_checked", "load_library",
-           "load_pool", "pool_name", "strict"]
+           "cache_root", "compile_only", "cpu_flags", "cpu_signature", "load_checked",
+           "load_library", "load_pool", "pool_name", "strict", "trusted_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +120,11 @@ def cpu_flags() -> set[str]:
     return flags
 
 
-def _cache_dir() -> Path:
+def cache_root() -> Path:
+    """triollm's cache directory: ``$TRIOLLM_CACHE``, else ``~/.cache/triollm``."""
     base = os.environ.get("TRIOLLM_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "triollm")
-    return Path(base) / "kernels"
+    return Path(base)
 
 
 def _compiler() -> str:
@@ -167,32 +169,32 @@ def _distrust(message: str) -> None:
 
 
 @cache
-def _private_fallback(wanted: str) -> Path:
-    directory = Path(tempfile.mkdtemp(prefix="triollm-kernels-"))  # 0700
+def _private_fallback(wanted: str, name: str) -> Path:
+    directory = Path(tempfile.mkdtemp(prefix=f"triollm-{name}-"))  # 0700
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    logger.warning("kernels are built into %s for this process instead of %s", directory,
+    logger.warning("%s are cached in %s for this process instead of %s", name, directory,
                    wanted)
     return directory
 
 
-def _trusted_cache_dir() -> Path:
-    """The cache directory, made private where missing; one not to be trusted raises
+def trusted_cache_dir(name: str = "kernels") -> Path:
+    """``cache_root() / name``, made private where missing; one not to be trusted raises
     ``KernelBuildError`` (strict mode) or gives way to a private temporary directory."""
-    wanted = _cache_dir()
+    wanted = cache_root() / name
     make_private_directory(wanted)
     reason = untrusted_directory(wanted)
     if reason is None:
         return wanted
-    message = f"the kernel cache {wanted} is not safe to load libraries from: {reason}"
+    message = f"the {name} cache {wanted} is not safe to load code from: {reason}"
     _distrust(message)
     logger.warning("%s", message)
-    return _private_fallback(str(wanted))
+    return _private_fallback(str(wanted), name)
 
 
 def _install(name: str, make: Callable[[Path], None]) -> Path:
     """``name`` in the cache, made by ``make(path)`` in a private scratch directory
     (0700) beside it unless a trusted file is there already."""
-    directory = _trusted_cache_dir()
+    directory = trusted_cache_dir()
     target = directory / name
     if os.path.lexists(target):
         reason = untrusted_library(target)
@@ -201,11 +203,14 @@ def _install(name: str, make: Callable[[Path], None]) -> Path:
         _distrust(f"the kernel library {target} is not safe to load: {reason}")
         logger.warning("the kernel library %s is not safe to load (%s); building it again",
                        target, reason)
+    logger.info("building the C kernel %s...", name)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=directory) as work:
         built = Path(work) / name
         make(built)
         os.chmod(built, 0o700)
         os.replace(built, target)  # atomic: concurrent builders each install a whole file
+    logger.info("built the C kernel %s in %.1f s", name, time.perf_counter() - started)
     return target
 
 

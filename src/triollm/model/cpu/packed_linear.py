@@ -92,7 +92,8 @@ class PackedLinear(nn.Module):
         weakref.finalize(self, _registered.pop, self.handle, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        # not is_compiling(): that is true on every thread while one compiles
+        if torch.compiler.is_dynamo_compiling():
             return packed_linear(x, self.handle, self.out_features)
         return _linear(x, self.packed_weight, self.bias)
 

@@ -116,8 +116,11 @@ class ComputeThreads:
 
     def keep_to(self, counts: list[int]) -> None:
         """From now on set only these counts (rounding down): those a model was compiled
-        for."""
+        for. Call from the model thread: a count in use that is not among them is
+        rounded down now."""
         self._allowed = sorted(set(counts) | {1})
+        if self.threads not in self._allowed:
+            self._change(max(count for count in self._allowed if count <= self.threads))
 
     def adjust(self) -> int:
         """Re-decide the thread count if a window has passed; returns the count."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import time
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from transformers import PreTrainedModel
 from triollm.config import EngineConfig
 from triollm.model.attention.kernel import DecodeKernel, DecodeStepKernel
 from triollm.model.attention.metadata import KVCacheSpec, PagedAttentionMetadata, PagedKVCache
+from triollm.model.attention.op import in_compiled_forward
 from triollm.model.attention.torch_decode import compiled_paged_decode_attention
 from triollm.model.cpu.packed_linear import (
     fuse_shared_input_calls,
@@ -39,7 +42,8 @@ from triollm.model.cpu.packed_linear import (
 from triollm.model.cpu.threads import ComputeThreads
 from triollm.model.runners.batch import DecodeAttention, decode_groups, run_forward
 
-__all__ = ["DummyDecodes", "choose_decode_attention", "compile_model"]
+__all__ = ["CompilePlan", "CompileStopped", "DummyDecodes", "build_compiled",
+           "choose_decode_attention", "compile_model", "plan_compile"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +129,24 @@ def _runs(dummy: DummyDecodes, attention: DecodeAttention) -> bool:
     return True
 
 
-def _inductor_with_shared_input_calls_fused(graph_module: torch.fx.GraphModule,
-                                             example_inputs: list[torch.Tensor]) -> Any:
+class CompileStopped(Exception):
+    """The runner closed while its model compiled: the compile gave up between steps."""
+
+
+def _inductor_with_shared_input_calls_fused(stop: Callable[[], bool]) -> Any:
     """torch.compile's inductor backend, after fusing the calls of linear layers grouped
-    on one input (packed_linear.py)."""
+    on one input (packed_linear.py); it gives up (``CompileStopped``) before inductor
+    starts once ``stop()`` is true."""
     from torch._inductor.compile_fx import compile_fx
 
-    if fuse_shared_input_calls(graph_module.graph):
-        graph_module.recompile()
-    return compile_fx(graph_module, example_inputs)
+    def backend(graph_module: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
+                ) -> Any:
+        if stop():
+            raise CompileStopped
+        if fuse_shared_input_calls(graph_module.graph):
+            graph_module.recompile()
+        return compile_fx(graph_module, example_inputs)
+    return backend
 
 
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -141,52 +154,106 @@ def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _compile_on_own_code(module: nn.Module, **options: Any) -> None:
-    """Make ``module``'s calls run through ``torch.compile`` (as ``Module.compile``
-    does), from a function whose code object is this module's alone, so that dynamo's
-    cache for it holds this module's compiled code only."""
+    """Make ``module``'s calls within a compiled forward (``forward_metadata`` set on the
+    calling thread) run through ``torch.compile``, from a function whose code object is
+    this module's alone, so that dynamo's cache for it holds this module's compiled code
+    only. Calls on other threads (the model thread serving eagerly while another thread
+    compiles) run the module eagerly."""
     function = types.FunctionType(_call.__code__.replace(), _call.__globals__, _call.__name__)
-    module._compiled_call_impl = torch.compile(types.MethodType(function, module), **options)
+    compiled = torch.compile(types.MethodType(function, module), **options)
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        if in_compiled_forward():
+            return compiled(*args, **kwargs)
+        return module._call_impl(*args, **kwargs)
+    module._compiled_call_impl = dispatch
+
+
+@dataclass
+class CompilePlan:
+    """What compiling a model needs, found before it serves: the thread counts to compile
+    for, and the eager forward's logits of the dummy decodes to check against."""
+
+    counts: list[int]
+    expected: torch.Tensor
+    #: Groups of linear layers on one input, whose calls a compiled forward fuses.
+    grouped: int
 
 
 @torch.inference_mode()
-def compile_model(dummy: DummyDecodes, attention: DecodeAttention, threads: ComputeThreads,
-                  dtype: torch.dtype) -> bool:
+def plan_compile(dummy: DummyDecodes, attention: DecodeAttention,
+                 threads: ComputeThreads) -> CompilePlan:
+    """Run the dummy decodes eagerly, recording which linear layers share an input, and
+    group those layers' weights (one tensor each group: the model must not be serving)."""
+    with recording_calls(dummy.model) as calls:
+        expected = dummy.run(attention, compiled=False)
+    grouped = group_weights_of_shared_inputs(calls)
+    return CompilePlan(threads.ladder(), expected, grouped)
+
+
+@torch.inference_mode()
+def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: CompilePlan,
+                   dtype: torch.dtype, stop: Callable[[], bool] = lambda: False) -> bool:
     """Put the decoder (the model less its head) through ``torch.compile``, dynamic in
     the step's token count, and compile it now for every shape and thread count it
     will meet: one token, several tokens (any number: the attention and the packed
-    linears are opaque custom ops), and each count the thread policy may pick, since
-    the compiled code is specialised to the thread count. The compiled forward must
-    give the eager one's logits; if compiling fails or it does not, the model runs
-    eagerly (returns False)."""
+    linears are opaque custom ops), and each count in ``plan.counts``, since the
+    compiled code is specialised to the thread count. The compiled forward must give
+    the eager one's logits; if compiling fails or it does not, the model stays eager
+    (returns False, with a warning). ``stop()``, checked between compiles, gives up
+    quietly. Sets this thread's torch thread count."""
     decoder = dummy.model.get_decoder()
-    counts = threads.ladder()
     dynamo = torch._dynamo.config
-    dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(counts) + 2)
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(plan.counts) + 2)
     started = time.perf_counter()
+    shapes = [(count, batch) for count in plan.counts for batch in (1, dummy.rows)]
     try:
-        with recording_calls(dummy.model) as calls:
-            expected = dummy.run(attention, compiled=False)
-        grouped = group_weights_of_shared_inputs(calls)
         _compile_on_own_code(decoder, dynamic=True,
-                             backend=_inductor_with_shared_input_calls_fused)
-        for count in counts:
+                             backend=_inductor_with_shared_input_calls_fused(stop))
+        for index, (count, batch) in enumerate(shapes, 1):
+            if stop():
+                raise CompileStopped
+            logger.info("compiling the model: %d/%d (%d thread%s, %d token%s)...", index,
+                        len(shapes), count, "" if count == 1 else "s", batch,
+                        "" if batch == 1 else "s")
             torch.set_num_threads(count)
-            for batch in (1, dummy.rows):
-                got = dummy.run(attention, compiled=True, rows=batch)
+            got = dummy.run(attention, compiled=True, rows=batch)
+        expected = plan.expected
         tolerance = 1e-3 if dtype == torch.float32 else 5e-2
         scale = float(expected.abs().max()) + 1.0
         if not torch.allclose(got.float(), expected.float(), rtol=0.0,
                               atol=tolerance * scale):
             raise RuntimeError("the compiled forward's logits differ from the eager one's "
                                f"by {float((got - expected).abs().max()):.3g}")
+    except CompileStopped:
+        decoder._compiled_call_impl = None
+        logger.info("compiling the model stopped: the engine is shutting down")
+        return False
     except Exception as error:  # a missing or broken C++ toolchain, or a torch bug
         decoder._compiled_call_impl = None
         logger.warning("compiling the model failed (%s: %s); it runs eagerly",
                        type(error).__name__, error)
         return False
+    logger.info("compiled the model in %.1f s (thread counts %s; %d groups of linear "
+                "layers on one input)", time.perf_counter() - started, plan.counts,
+                plan.grouped)
+    return True
+
+
+def compile_model(dummy: DummyDecodes, attention: DecodeAttention, threads: ComputeThreads,
+                  dtype: torch.dtype) -> bool:
+    """Compile the model now, before it serves (``plan_compile``, then
+    ``build_compiled``), and keep the thread policy to the counts compiled for."""
+    try:
+        plan = plan_compile(dummy, attention, threads)
+    except Exception as error:
+        logger.warning("compiling the model failed (%s: %s); it runs eagerly",
+                       type(error).__name__, error)
+        return False
+    try:
+        compiled = build_compiled(dummy, attention, plan, dtype)
     finally:
         torch.set_num_threads(threads.threads)
-    threads.keep_to(counts)
-    logger.info("compiled the model in %.1f s (thread counts %s; %d groups of linear "
-                "layers on one input)", time.perf_counter() - started, counts, grouped)
-    return True
+    if compiled:
+        threads.keep_to(plan.counts)
+    return compiled

@@ -28,9 +28,18 @@ from triollm.model.cpu.helpers import drain_pools
 from triollm.model.cpu.threads import ComputeThreads
 from triollm.model.loader import load_model
 from triollm.model.lora.manager import LoRAManager
+from triollm.model.runners.background_compile import BackgroundCompile
 from triollm.model.runners.batch import DecodeAttention, prepare_batch, run_forward
-from triollm.model.runners.compile import DummyDecodes, choose_decode_attention, compile_model
+from triollm.model.runners.compile import (
+    DummyDecodes,
+    build_compiled,
+    choose_decode_attention,
+    compile_model,
+    plan_compile,
+)
+from triollm.model.runners.compile_cache import use_private_compile_cache
 from triollm.model.runners.setup import num_kv_blocks, prepare_for_cpu, profile_kv_specs
+from triollm.model.runners.summary import attention_name, compile_mode, log_summary
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from triollm.structured_output.bitmask import GrammarMask
@@ -42,6 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["TorchModelRunner"]
 
 logger = logging.getLogger(__name__)
+
+#: Blocks of the compile thread's scratch KV cache: its dummy decodes use block 0 only.
+_SCRATCH_BLOCKS = 2
 
 
 @dataclass
@@ -57,6 +69,7 @@ class TorchModelRunner:
     """Runs a transformers causal LM with triollm's paged attention."""
 
     def __init__(self, config: EngineConfig) -> None:
+        self._started = time.perf_counter()
         self.config = config
         model_config = config.model
         self.device = model_config.device
@@ -97,24 +110,82 @@ class TorchModelRunner:
         def profile() -> dict[int, KVCacheSpec]:
             return profile_kv_specs(self.model, config)
 
+        sizing = time.perf_counter()
+        logger.debug("sizing the KV cache...")
         # the profile forward also shows which layers read the same input (LoRA groups)
         specs = self.lora.calibrate(profile) if self.lora is not None else profile()
         self.num_kv_blocks = num_kv_blocks(config, specs, self.cache_dtype)
         self.kv_cache = PagedKVCache(specs, self.num_kv_blocks, self.block_size,
                                      self.cache_dtype, self.device)
         self.kv_cache.number_layers(self.model)
+        logger.info("sized and allocated the KV cache in %.1f s",
+                    time.perf_counter() - sizing)
         self.decode_attention = DecodeAttention()
+        #: Whether steps run the compiled forward (with ``compile_in_background``, from
+        #: the first step after the compile thread has built and checked it).
         self.compiled = False
+        self._background: BackgroundCompile | None = None
+        self._compile_counts: list[int] = []
         if on_cpu and not model_config.enforce_eager:
+            use_private_compile_cache()
             dummy = DummyDecodes(self.model, self.kv_cache, config, specs)
+            choosing = time.perf_counter()
             self.decode_attention = choose_decode_attention(dummy, cpu_kernel,
                                                             self.cache_dtype)
+            logger.info("decode attention: %s (checked in %.1f s)",
+                        attention_name(self.decode_attention),
+                        time.perf_counter() - choosing)
             if model_config.compile_model and self.compute_threads is not None:
                 if self.lora is not None:
                     logger.info("LoRA layers are not compiled: the model runs eagerly")
+                elif model_config.compile_in_background:
+                    self._background = self._compile_in_background(specs)
                 else:
                     self.compiled = compile_model(dummy, self.decode_attention,
                                                   self.compute_threads, self.dtype)
+        log_summary(config, self.model, self.kv_cache, self.compute_threads,
+                    self.decode_attention,
+                    compile_mode(config, self.compiled, self._background is not None))
+
+    def _compile_in_background(self, specs: dict[int, KVCacheSpec]
+                               ) -> BackgroundCompile | None:
+        """Start the compile thread (background_compile.py) over a scratch cache of its
+        own; None (the model stays eager) where planning the compile fails."""
+        assert self.compute_threads is not None
+        scratch = PagedKVCache(specs, _SCRATCH_BLOCKS, self.block_size, self.cache_dtype,
+                               self.device)
+        dummy = DummyDecodes(self.model, scratch, self.config, specs)
+        try:
+            plan = plan_compile(dummy, self.decode_attention, self.compute_threads)
+        except Exception as error:
+            logger.warning("compiling the model failed (%s: %s); it runs eagerly",
+                           type(error).__name__, error)
+            return None
+        self._compile_counts = plan.counts
+        attention, dtype = self.decode_attention, self.dtype
+        logger.info("compiling the model in the background (%d shapes); serving eagerly "
+                    "meanwhile", 2 * len(plan.counts))
+        return BackgroundCompile(
+            lambda stop: build_compiled(dummy, attention, plan, dtype, stop))
+
+    def _switch_when_compiled(self) -> None:
+        """At a step boundary, in the model thread: take the compiled forward once the
+        compile thread has built and checked it (or forget the thread if it failed)."""
+        background = self._background
+        if background is None or not background.done:
+            return
+        self._background = None
+        background.close()
+        if background.compiled and self.compute_threads is not None:
+            self.compute_threads.keep_to(self._compile_counts)
+            self.compiled = True
+            logger.info("compiled forward in use after %.1f s",
+                        time.perf_counter() - self._started)
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a compile thread is still building the compiled forward."""
+        return self._background is not None
 
     @property
     def decode_kernel(self) -> DecodeKernel | None:
@@ -128,6 +199,8 @@ class TorchModelRunner:
         started = time.perf_counter()
         for request_id in scheduler_output.finished_request_ids:
             self._requests.pop(request_id, None)
+        if self._background is not None:
+            self._switch_when_compiled()
         if scheduler_output.is_empty:
             return RunnerOutput()
         if self.compute_threads is not None:
@@ -299,6 +372,9 @@ class TorchModelRunner:
         ]
 
     def shutdown(self) -> None:
+        if self._background is not None:
+            self._background.close()
+            self._background = None
         drain_pools()  # no kernel helper reads the weights or the cache once they go
         self.mask_filler.shutdown()
         self._requests.clear()
