@@ -313,6 +313,8 @@ def profile(server: Server, port: int, start: Start, args: argparse.Namespace) -
                              or server.compile_failed or now >= give_up):
             break
         start.profile.append((now, completion(url, args.max_tokens, 600)))
+    if start.engine == "triollm" and server.compiled_s is None:
+        return  # still eager: there is no steady state to measure
     start.steady = [completion(url, args.max_tokens, 600)
                     for _ in range(args.steady_requests)]
 
