@@ -138,7 +138,7 @@ class EngineStatistics:
     grammar_cache_hits: int = 0
     grammar_cache_misses: int = 0
     #: Whether steps run the compiled forward, and whether the runner is still
-    #: compiling it in the background (the next step after that ends switches to it).
+    #: compiling it in the background (the first step after that switches to it).
     compiled_forward: bool = False
     compiling: bool = False
 

@@ -76,6 +76,11 @@ class BackgroundCompile:
         """Whether it ended with the model compiled and checked."""
         return self._done.is_set() and self._compiled
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the compile has ended, at most ``timeout`` seconds; returns
+        whether it has."""
+        return self._done.wait(timeout)
+
     @property
     def alive(self) -> bool:
         """Whether the thread still runs."""

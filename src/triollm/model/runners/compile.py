@@ -225,12 +225,11 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
                               atol=tolerance * scale):
             raise RuntimeError("the compiled forward's logits differ from the eager one's "
                                f"by {float((got - expected).abs().max()):.3g}")
-    except CompileStopped:
-        decoder._compiled_call_impl = None
-        logger.info("compiling the model stopped: the engine is shutting down")
-        return False
     except Exception as error:  # a missing or broken C++ toolchain, or a torch bug
         decoder._compiled_call_impl = None
+        if stop():  # CompileStopped, which dynamo may have wrapped
+            logger.info("compiling the model stopped: the engine is shutting down")
+            return False
         logger.warning("compiling the model failed (%s: %s); it runs eagerly",
                        type(error).__name__, error)
         return False

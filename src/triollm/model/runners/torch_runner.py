@@ -182,10 +182,17 @@ class TorchModelRunner:
             logger.info("compiled forward in use after %.1f s",
                         time.perf_counter() - self._started)
 
+    def wait_for_compile(self, timeout: float | None = None) -> bool:
+        """Block (any thread) until no compile thread is building the compiled forward,
+        at most ``timeout`` seconds; returns whether none is."""
+        background = self._background
+        return background is None or background.wait(timeout)
+
     @property
     def compiling(self) -> bool:
-        """Whether a compile thread is still building the compiled forward."""
-        return self._background is not None
+        """Whether a compile thread is still building the compiled forward (once it has
+        built it, the next step switches to it)."""
+        return self._background is not None and not self._background.done
 
     @property
     def decode_kernel(self) -> DecodeKernel | None:
