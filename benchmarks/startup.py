@@ -385,9 +385,15 @@ def print_report(starts: list[Start], args: argparse.Namespace) -> None:
           f"per {args.bucket_seconds:.0f} s from the first answer |")
     print("|---" * 8 + "|")
     for s in starts:
-        if not s.profile or not s.steady:
+        if not s.profile:
             continue
         latencies = [latency for _, latency in s.profile]
+        if not s.steady:
+            print(f"| {s.model} | {s.phase} | {s.engine} | compiled forward never in use: "
+                  f"eager latency first {latencies[0]:.2f} s, median "
+                  f"{statistics.median(latencies):.2f} s, worst {max(latencies):.2f} s"
+                  f"{load_flag(s)} | | | | |")
+            continue
         buckets: dict[int, list[float]] = {}
         for sent, latency in s.profile:
             buckets.setdefault(int((sent - (s.answer_s or 0)) // args.bucket_seconds),
