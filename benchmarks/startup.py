@@ -75,7 +75,7 @@ COMPILE_FAILED = re.compile(r"compiling the model failed")
 SERVED_NAME = "bench"
 PROMPT = "one two three four five six seven eight " * 4
 #: Qwen2.5-0.5B's shape (its vocabulary replaced by a 32k one).
-QWEN_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+QWEN_05B: dict[str, Any] = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
             "num_attention_heads": 14, "num_key_value_heads": 2,
             "max_position_embeddings": 32768, "rope_theta": 1000000.0,
             "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
