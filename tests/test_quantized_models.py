@@ -107,7 +107,7 @@ def test_prompt_log_likelihood_agrees_with_the_dequantized_model(
     bf16 = prompt_logprobs(quantized_llm(path, method, dtype="bfloat16"), token_ids)
     mean_expected = sum(expected) / len(expected)
     mean_bf16 = sum(bf16) / len(bf16)
-    assert abs(mean_bf16 - mean_expected) < 0.02 * abs(mean_expected)
+    assert abs(mean_bf16 - mean_expected) < 0.002 * abs(mean_expected)
     assert math.isfinite(mean_bf16)
 
 
