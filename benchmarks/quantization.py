@@ -29,7 +29,6 @@ import random
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from vs_vllm import CONTAMINATED_CORES, platform_line, run_child
 
