@@ -89,6 +89,17 @@ class ModelConfig:
     #: when a thread of the runner's has built it (the async engine), instead of
     #: compiling before the runner is returned (``LLM``).
     compile_in_background: bool = False
+    #: Weight-only quantization of the linear layers at load; None: weights in ``dtype``.
+    quantization: QuantizationConfig | None = None
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """``--quantization``: a method of model/quantization/methods.py and the input
+    columns per group (-1: per channel) where the method groups them."""
+
+    method: str
+    group_size: int
 
 
 @dataclass(frozen=True)
