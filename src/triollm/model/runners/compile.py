@@ -42,6 +42,7 @@ from triollm.model.cpu.packed_linear import (
     recording_calls,
 )
 from triollm.model.cpu.threads import ComputeThreads
+from triollm.model.quantization.linear import QuantizedLinear
 from triollm.model.runners.batch import DecodeAttention, decode_groups, run_forward
 from triollm.model.runners.precompiled import PrecompiledDecoder, artifact_key, cache_directory
 
@@ -217,6 +218,10 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
     # the saved (AOT) compile first; where it fails, dynamo's, which traces every start
     precompiled: PrecompiledDecoder | None = None
     attempts = ["saved", "saved again", "dynamo"]
+    if any(isinstance(module, QuantizedLinear) for module in dummy.model.modules()):
+        # their handles are the process's, not the model's: a saved graph would name
+        # another process's layers
+        attempts = ["dynamo"]
     while attempts:
         attempt = attempts.pop(0)
         try:
