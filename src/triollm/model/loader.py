@@ -14,6 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from triollm.config import DEMO_MODEL_NAME
 from triollm.errors import UnsupportedModelError
+from triollm.model.quantization.checkpoint_loader import dequantize_into, load_quantized_model
+from triollm.model.quantization.detect import checkpoint_format
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -114,8 +116,11 @@ def load_model(
     trust_remote_code: bool = False,
     revision: str | None = None,
     download_dir: str | None = None,
+    quantization: str | None = None,
 ) -> PreTrainedModel:
-    """Load the model with our attention plugged in, in eval mode, on ``device``."""
+    """Load the model with our attention plugged in, in eval mode, on ``device``; a
+    quantized checkpoint (or ``quantization``, vLLM's ``--quantization``, naming its
+    format) loads through ``model/quantization``."""
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "dtype": dtype}
     model_class = _causal_lm_class(hf_config)
     if model_class is not None:
@@ -124,18 +129,23 @@ def load_model(
         logger.warning("%s is a built-in demo with random weights: it writes noise. Pass "
                        "--model / model= to serve a real model.", DEMO_MODEL_NAME)
     return _instantiate(AutoModelForCausalLM, model, hf_config, kwargs, device,
-                        trust_remote_code, revision, download_dir)
+                        trust_remote_code, revision, download_dir, quantization)
 
 
 def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dict[str, Any],
                  device: torch.device, trust_remote_code: bool, revision: str | None,
-                 download_dir: str | None) -> PreTrainedModel:
+                 download_dir: str | None, quantization: str | None = None) -> PreTrainedModel:
     """``auto.from_pretrained`` (the demo model: seeded random weights), checked, in eval
     mode on ``device``."""
     if model == DEMO_MODEL_NAME:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             loaded = auto.from_config(hf_config, **kwargs)
+    elif (quantized := checkpoint_format(hf_config, quantization)) is not None:
+        loaded = load_quantized_model(auto, model, hf_config, quantized, kwargs,
+                                      install=dequantize_into,
+                                      trust_remote_code=trust_remote_code,
+                                      revision=revision, download_dir=download_dir)
     else:
         loaded = auto.from_pretrained(model, config=hf_config,
                                       trust_remote_code=trust_remote_code,
@@ -155,6 +165,7 @@ def load_pooling_model(
     trust_remote_code: bool = False,
     revision: str | None = None,
     download_dir: str | None = None,
+    quantization: str | None = None,
 ) -> PreTrainedModel:
     """A pooling model in eval mode on ``device``: the bare transformer (``AutoModel``:
     a causal LM's checkpoint loads without its head) or, with ``classify``, the
@@ -163,7 +174,7 @@ def load_pooling_model(
                  else transformers.AutoModel)
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "dtype": dtype}
     return _instantiate(auto, model, hf_config, kwargs, device, trust_remote_code, revision,
-                        download_dir)
+                        download_dir, quantization)
 
 
 def _causal_lm_class(hf_config: PretrainedConfig) -> type | None:

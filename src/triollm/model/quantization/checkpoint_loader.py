@@ -1,0 +1,124 @@
+"""A quantized checkpoint loaded into a transformers model: the model is built with
+its parameters on the meta device (no full-precision weights are ever allocated), the
+unquantized tensors (embeddings, norms, biases, unquantized layers) are read from the
+safetensors files into it, and each quantized linear layer's tensors become a
+``QuantizedWeight`` handed to ``install``."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from triollm.model.quantization.checkpoint_files import CheckpointTensors, checkpoint_directory
+from triollm.model.quantization.checkpoint_format import CheckpointFormat
+from triollm.model.quantization.weights import QuantizedWeight
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = ["InstallWeights", "load_quantized_model"]
+
+logger = logging.getLogger(__name__)
+
+#: Puts quantized weights into a loaded model, by linear module name.
+InstallWeights = Callable[[nn.Module, dict[str, QuantizedWeight]], None]
+
+
+def load_quantized_model(auto: Any, model: str, hf_config: PretrainedConfig,
+                         fmt: CheckpointFormat, kwargs: dict[str, Any], *,
+                         install: InstallWeights, trust_remote_code: bool = False,
+                         revision: str | None = None,
+                         download_dir: str | None = None) -> PreTrainedModel:
+    """``auto``'s model for ``model``'s quantized checkpoint in ``fmt``, on the CPU."""
+    dtype: torch.dtype = kwargs["dtype"]
+    with _parameters_on_meta():
+        loaded = auto.from_config(_without_quantization(hf_config),
+                                  trust_remote_code=trust_remote_code, **kwargs)
+    directory = checkpoint_directory(model, revision=revision, download_dir=download_dir)
+    with CheckpointTensors(directory) as tensors:
+        names = tensors.names()
+        quantized = {name.rpartition(".")[0] for name in names
+                     if name.endswith(f".{fmt.marker}")}
+        keys = _KeyMap(loaded)
+        state: dict[str, torch.Tensor] = {}
+        for name in names:
+            prefix, _, suffix = name.rpartition(".")
+            if prefix in quantized and suffix in fmt.tensor_suffixes:
+                continue
+            key = keys.model_key(name)
+            if key is not None:
+                tensor = tensors.get(name)
+                state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        loaded.load_state_dict(state, strict=False, assign=True)
+        weights: dict[str, QuantizedWeight] = {}
+        for prefix in sorted(quantized):
+            module_name = keys.model_key(f"{prefix}.weight")
+            if module_name is None:
+                continue
+            weights[module_name.removesuffix(".weight")] = fmt.read_layer(prefix, tensors.get)
+    install(loaded, weights)
+    loaded.tie_weights()
+    missing = [name for name, param in loaded.named_parameters() if param.is_meta]
+    if missing:
+        raise ValueError(f"{model}: the checkpoint has no weights for {', '.join(missing[:8])}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    logger.info("%s: %d linear layers quantized (%s)", model, len(weights), fmt.describe())
+    return loaded
+
+
+def dequantize_into(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
+    """Each quantized layer's weight dequantized into its ``nn.Linear``, in the
+    model's dtype: the reference the quantized layers are held to."""
+    for name, weight in weights.items():
+        linear = model.get_submodule(name)
+        dtype = linear.weight.dtype
+        linear.weight = nn.Parameter(weight.dequantize(dtype), requires_grad=False)
+
+
+def _without_quantization(hf_config: PretrainedConfig) -> PretrainedConfig:
+    config = copy.deepcopy(hf_config)
+    for owner in (config, getattr(config, "text_config", None)):
+        for name in ("quantization_config", "compression_config"):
+            if owner is not None and hasattr(owner, name):
+                delattr(owner, name)
+    return config
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside is moved to the meta device (buffers, such as
+    rotary frequencies, stay real)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            kind = type(param)
+            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+class _KeyMap:
+    """Checkpoint tensor names → the model's state-dict keys: the same, or without or
+    with the base model's prefix (a causal LM's checkpoint loaded as a bare model)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.keys = set(model.state_dict(keep_vars=True))
+        self.prefix = f"{getattr(model, 'base_model_prefix', '')}."
+
+    def model_key(self, name: str) -> str | None:
+        for key in (name, name.removeprefix(self.prefix), self.prefix + name):
+            if key in self.keys:
+                return key
+        return None
