@@ -147,7 +147,7 @@ def test_every_vllm_flag_is_known() -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--quantization", "awq"], "--quantization awq: not supported by triollm: quantized"),
+    (["--quantization-config", "{}"], "--quantization-config {}: not supported by triollm"),
     (["--kv-cache-dtype", "fp8"], "(only auto is accepted)"),
     (["--fully-sharded-loras"], "--fully-sharded-loras: not supported by triollm: this LoRA"),
     (["--pipeline-parallel-size", "2"], "one device"),

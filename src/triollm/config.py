@@ -83,6 +83,17 @@ class ModelConfig:
     runner: RunnerKind = "generate"
     #: How a pooling model turns hidden states into its output (None for ``generate``).
     pooler: PoolerConfig | None = None
+    #: Weight-only quantization of the linear layers at load; None: weights in ``dtype``.
+    quantization: QuantizationConfig | None = None
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """``--quantization``: a method of model/quantization/methods.py and the input
+    columns per group (-1: per channel) where the method groups them."""
+
+    method: str
+    group_size: int
 
 
 @dataclass(frozen=True)

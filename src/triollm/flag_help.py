@@ -61,6 +61,11 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "max_cpu_loras": "adapters kept loaded in memory (default: --max-loras); others are "
                      "read again from their path when needed",
     "lora_dtype": "dtype of the adapters' weights: auto (the model's), bfloat16, float32",
+    "quantization": "weight-only quantization of the linear layers at load, on CPU: int8 "
+                    "(per channel) or int4 (grouped); triollm's own methods "
+                    "(docs/quantization.md)",
+    "quantization_group_size": "int4's input columns per group, a multiple of 32 (-1: "
+                               "per channel); triollm's own flag",
     "lora_target_modules": "only these module names take adapters (default: every linear "
                            "layer but the LM head)",
     "otlp_traces_endpoint": "send a span per finished request to this OpenTelemetry "

@@ -110,7 +110,7 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
                 "--specialize-active-lora"),
     **_values(_LORA, "--default-mm-loras", "--max-lora-cls-labels"),
     # quantization and kernels
-    **_values(_QUANT, "--quantization", "--quantization-config"),
+    **_values(_QUANT, "--quantization-config"),
     **_values(_QUANT, "--kv-cache-dtype", neutral=("auto",)),
     **_lists(_QUANT, "--kv-cache-dtype-skip-layers"),
     **_switches(_QUANT, "--allow-deprecated-quantization"),

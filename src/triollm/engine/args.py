@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from triollm.config import (
     DEMO_MODEL_NAME,
@@ -17,6 +17,7 @@ from triollm.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    QuantizationConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
 )
@@ -34,6 +35,14 @@ from triollm.engine.resolve import (
     resolve_runner,
     structured_outputs_config,
 )
+from triollm.model.quantization.methods import (
+    DEFAULT_GROUP_SIZE,
+    check_group_size,
+    check_method,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DEFAULT_OPTIMIZATION_LEVEL", "AsyncEngineArgs", "EngineArgs"]
 
@@ -127,6 +136,11 @@ class EngineArgs:
     reasoning_parser: str | None = None
     #: vLLM's --reasoning-parser-plugin: a Python file that registers more parsers.
     reasoning_parser_plugin: str | None = None
+    #: Weight-only quantization of the linear layers at load, on CPU: ``int8`` or
+    #: ``int4`` (triollm's own names; model/quantization/methods.py). None: none.
+    quantization: str | None = None
+    #: ``int4``'s input columns per group (-1: per channel); triollm's own flag.
+    quantization_group_size: int = DEFAULT_GROUP_SIZE
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
@@ -199,6 +213,7 @@ class EngineArgs:
             if runner == "generate" else {},
             runner=runner,
             pooler=pooler,
+            quantization=self._quantization(device),
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -227,6 +242,18 @@ class EngineArgs:
                             observability=observability_config(
                                 self.otlp_traces_endpoint, self.collect_detailed_traces),
                             structured_outputs=structured)
+
+    def _quantization(self, device: torch.device) -> QuantizationConfig | None:
+        if self.quantization is None:
+            return None
+        reason = check_method(self.quantization)
+        if reason is None and device.type != "cpu":
+            reason = f"{self.quantization} runs torch's CPU kernels; --device is {device.type}"
+        if reason is not None:
+            raise fail("quantization", reason)
+        if (reason := check_group_size(self.quantization_group_size)) is not None:
+            raise fail("quantization_group_size", reason)
+        return QuantizationConfig(self.quantization, self.quantization_group_size)
 
     def _validate_ranges(self) -> None:
         def positive_int(name: str, value: object) -> None:

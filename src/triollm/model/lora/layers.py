@@ -24,6 +24,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from triollm.model.cpu.packed_linear import PackedLinear, runs_on_one_input
+from triollm.model.quantization.linear import QuantizedLinear
 
 __all__ = ["LoRAGroup", "LoRALinear", "LoRAStep", "adaptable_layers", "group_shared_inputs"]
 
@@ -41,7 +42,7 @@ class LoRAStep:
 
 
 class LoRALinear(nn.Module):
-    """A linear layer (plain, oneDNN-packed or GPT-2's ``Conv1D``) plus the deltas of
+    """A linear layer (plain, packed, quantized or GPT-2's ``Conv1D``) plus the deltas of
     the adapters resident in its slots, which its ``LoRAGroup`` computes (a group of
     its own until ``group_shared_inputs`` joins it to the layers sharing its input)."""
 
@@ -161,7 +162,7 @@ def group_shared_inputs(recording: list[tuple[torch.Tensor, LoRALinear]]) -> lis
 
 def _shape(module: nn.Module) -> tuple[int, int] | None:
     """``(in, out)`` of a linear module the wrapper can adapt, else None."""
-    if isinstance(module, nn.Linear | PackedLinear):
+    if isinstance(module, nn.Linear | PackedLinear | QuantizedLinear):
         return module.in_features, module.out_features
     if isinstance(module, Conv1D):  # GPT-2 keeps its weight as [in, out]
         return int(module.weight.shape[0]), int(module.nf)

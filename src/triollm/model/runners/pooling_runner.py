@@ -70,7 +70,8 @@ class PoolingModelRunner:
         self.head = self._classifier_head() if self.task == "classify" else None
         self.pooler = Pooler(pooler_config, model_config.model, self.device, **hub)
         self.compute_threads: ComputeThreads | None = (
-            prepare_for_cpu(self.model, model_config.cpu_threads)
+            prepare_for_cpu(self.model, model_config.cpu_threads,
+                            model_config.quantization)
             if self.device.type == "cpu" else None)
         scheduler = config.scheduler
         #: Prompt attention's C kernel on CPU, unless ``enforce_eager`` (SDPA then).

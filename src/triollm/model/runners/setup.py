@@ -1,7 +1,8 @@
 """What a runner does to a loaded model before its first step.
 
 On CPU (``prepare_for_cpu``, both runners): the thread policy (model/cpu/threads.py),
-the linear layers moved onto packed weights (model/cpu/packed_linear.py), and malloc
+the linear layers quantized where asked (model/quantization/), the others moved onto
+packed weights (model/cpu/packed_linear.py), and malloc
 told to keep freed memory for the next step (model/cpu/malloc.py). For generation: a
 profiling forward without a cache finds the attention layers and their keys' and
 values' shapes (and, on CUDA, a full step's activation memory), from which the KV cache
@@ -15,7 +16,7 @@ import logging
 import torch
 from torch import nn
 
-from triollm.config import EngineConfig
+from triollm.config import EngineConfig, QuantizationConfig
 from triollm.model.attention.metadata import (
     KVCacheSpec,
     PagedAttentionMetadata,
@@ -25,6 +26,7 @@ from triollm.model.attention.metadata import (
 from triollm.model.cpu.malloc import keep_freed_memory
 from triollm.model.cpu.packed_linear import pack_linear_layers
 from triollm.model.cpu.threads import ComputeThreads
+from triollm.model.quantization.replace import quantize_linear_layers
 
 __all__ = ["num_kv_blocks", "prepare_for_cpu", "profile_kv_specs"]
 
@@ -33,12 +35,16 @@ logger = logging.getLogger(__name__)
 _PROFILE_TOKENS = 8
 
 
-def prepare_for_cpu(model: nn.Module, cpu_threads: int | None) -> ComputeThreads:
+def prepare_for_cpu(model: nn.Module, cpu_threads: int | None,
+                    quantization: QuantizationConfig | None = None) -> ComputeThreads:
     """The thread policy a runner's steps compute with (``cpu_threads``: a fixed count,
-    or None to adapt), after moving ``model``'s linear layers onto packed weights and
-    raising malloc's thresholds."""
+    or None to adapt), after quantizing ``model``'s linear layers (``quantization``,
+    model/quantization/), moving the others onto packed weights and raising malloc's
+    thresholds."""
     compute_threads = ComputeThreads(cpu_threads)
     keep_freed_memory()
+    if quantization is not None:
+        quantize_linear_layers(model, quantization.method, quantization.group_size)
     packed = pack_linear_layers(model)
     logger.info("%d linear layers run on packed weights", packed)
     return compute_threads

@@ -86,7 +86,8 @@ class TorchModelRunner:
         )
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.compute_threads: ComputeThreads | None = (
-            prepare_for_cpu(self.model, model_config.cpu_threads) if on_cpu else None)
+            prepare_for_cpu(self.model, model_config.cpu_threads,
+                            model_config.quantization) if on_cpu else None)
         self.lora = (LoRAManager(self.model, config.lora, self.device)
                      if config.lora is not None else None)
         self.generator = torch.Generator(device=self.device)
