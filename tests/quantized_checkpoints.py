@@ -81,7 +81,7 @@ def gptq_layer(weight: torch.Tensor, *, bits: int, group_size: int, sym: bool,
                ) -> Quantized:
     """AutoGPTQ's layout: qweight [K/pack, N] along K, qzeros [G, N/pack] along N (the
     zero minus one in the original format), scales [G, N], g_idx [K]."""
-    out_features, in_features = weight.shape
+    in_features = weight.shape[1]
     groups = _groups(in_features, group_size, desc_act, generator)
     q, scales, zeros = _integer_grid(weight, groups, bits, sym)
     pack = 32 // bits
@@ -192,12 +192,14 @@ def quantization_config(method: str, settings: dict[str, Any]) -> dict[str, Any]
 
 def build_quantized_checkpoint(family: str, directory: Path, tokenizer: Any, method: str,
                                settings: dict[str, Any], *, seed: int = 0,
-                               shards: int = 1) -> tuple[Path, Path]:
+                               shards: int = 1, **overrides: Any) -> tuple[Path, Path]:
     """``(checkpoint, reference)``: the quantized checkpoint, and the same model with
-    its quantized layers dequantized, saved in fp32."""
+    its quantized layers dequantized, saved in fp32. ``overrides`` go to the model's
+    config (``tie_word_embeddings``: the checkpoint has no LM head of its own)."""
     from transformers import AutoModelForCausalLM
 
-    full = build_tiny_model(family, directory / "full", tokenizer, seed=seed, **SHAPE)
+    full = build_tiny_model(family, directory / "full", tokenizer, seed=seed,
+                            **SHAPE, **overrides)
     model = AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
@@ -215,7 +217,10 @@ def build_quantized_checkpoint(family: str, directory: Path, tokenizer: Any, met
     reference = directory / "reference"
     model.save_pretrained(reference)
     tokenizer.save_pretrained(reference)
+    tied = model.config.tie_word_embeddings
     for key, tensor in model.state_dict().items():
+        if tied and key == "lm_head.weight":
+            continue
         if key.removesuffix(".weight") not in quantized:
             state[key] = tensor.half().contiguous()
     checkpoint = directory / "checkpoint"

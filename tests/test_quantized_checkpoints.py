@@ -65,31 +65,32 @@ def test_unpacked_layer_equals_the_weight_the_reference_packer_wrote(
     assert not torch.equal(layer.weight, weight), "the packer must actually quantize"
 
 
-# name -> (family, method, settings, engine arguments, shards)
-END_TO_END: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], int]] = {
+# name -> (family, method, settings, engine arguments, shards, model config overrides)
+END_TO_END: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], int, dict[str, Any]]] = {
     "gptq-4bit-g128-sym-compiled": (
         "llama", "gptq", {"bits": 4, "group_size": 128, "sym": True, "desc_act": False,
-                          "checkpoint_format": "gptq"}, {}, 1),
+                          "checkpoint_format": "gptq"}, {}, 1, {}),
     "gptq-4bit-g32-asym-desc_act-sharded": (
         "qwen2", "gptq", {"bits": 4, "group_size": 32, "sym": False, "desc_act": True,
-                          "checkpoint_format": "gptq"}, {"enforce_eager": True}, 3),
+                          "checkpoint_format": "gptq"}, {"enforce_eager": True}, 3, {}),
     "gptq-8bit-per_channel-asym-v2": (
         "llama", "gptq", {"bits": 8, "group_size": -1, "sym": False, "desc_act": False,
-                          "checkpoint_format": "gptq_v2"}, {"enforce_eager": True}, 1),
+                          "checkpoint_format": "gptq_v2"}, {"enforce_eager": True}, 1, {}),
     "gptq-8bit-g64-sym-desc_act": (
         "qwen2", "gptq", {"bits": 8, "group_size": 64, "sym": True, "desc_act": True,
-                          "checkpoint_format": "gptq"}, {"enforce_eager": True}, 1),
-    "awq-g128": ("llama", "awq", {"group_size": 128}, {"enforce_eager": True}, 1),
-    "awq-g64": ("qwen2", "awq", {"group_size": 64}, {"enforce_eager": True}, 1),
+                          "checkpoint_format": "gptq"}, {"enforce_eager": True}, 1, {}),
+    "awq-g128-tied_head": ("llama", "awq", {"group_size": 128}, {"enforce_eager": True}, 1,
+                           {"tie_word_embeddings": True}),
+    "awq-g64": ("qwen2", "awq", {"group_size": 64}, {"enforce_eager": True}, 1, {}),
     "w4a16-g128": ("llama", "compressed-tensors",
                    {"bits": 4, "group_size": 128, "sym": True, "actorder": False},
-                   {"enforce_eager": True}, 1),
+                   {"enforce_eager": True}, 1, {}),
     "w8a16-per_channel": ("qwen2", "compressed-tensors",
                           {"bits": 8, "group_size": None, "sym": True, "actorder": False},
-                          {"enforce_eager": True}, 2),
+                          {"enforce_eager": True}, 2, {}),
     "w4a16-g32-asym-actorder": ("qwen2", "compressed-tensors",
                                 {"bits": 4, "group_size": 32, "sym": False, "actorder": True},
-                                {"enforce_eager": True}, 1),
+                                {"enforce_eager": True}, 1, {"tie_word_embeddings": True}),
 }
 
 
@@ -112,9 +113,11 @@ def _reference(path: Path) -> list[list[int]]:
 @pytest.mark.parametrize("case", list(END_TO_END))
 def test_quantized_checkpoint_decodes_like_transformers_on_its_dequantized_weights(
         case: str, tmp_path: Path, tokenizer: Any) -> None:
-    family, method, settings, engine, shards = END_TO_END[case]
+    family, method, settings, engine, shards, overrides = END_TO_END[case]
     checkpoint, reference = build_quantized_checkpoint(family, tmp_path, tokenizer, method,
-                                                       settings, shards=shards)
+                                                       settings, shards=shards, **overrides)
+    if overrides.get("tie_word_embeddings"):
+        assert not any("lm_head" in name for name in _tensor_names(checkpoint))
     llm = LLM(str(checkpoint), dtype="float32", max_model_len=128,
               num_gpu_blocks_override=64, **engine)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
@@ -182,16 +185,26 @@ def test_unsupported_scheme_of_a_supported_method_is_refused(
 def test_quantization_naming_another_method_than_the_checkpoints_is_refused(
         awq_checkpoint: Path) -> None:
     config = AutoConfig.from_pretrained(awq_checkpoint)
-    with pytest.raises(ValueError, match=r"--quantization gptq does not match .*\(awq\)"):
-        checkpoint_format(config, "gptq")
     assert checkpoint_format(config, "awq") is not None
     assert checkpoint_format(config, "awq_marlin") is not None
+    for method in ("gptq", "int4"):
+        with pytest.raises(ValueError, match=rf"--quantization {method} does not match .*\(awq\)"):
+            LLM(str(awq_checkpoint), quantization=method, dtype="float32", max_model_len=128,
+                num_gpu_blocks_override=64, enforce_eager=True)
+
+
+def test_quantization_naming_the_checkpoints_method_loads_it(awq_checkpoint: Path) -> None:
+    llm = LLM(str(awq_checkpoint), quantization="awq", dtype="float32", max_model_len=128,
+              num_gpu_blocks_override=64, enforce_eager=True)
+    outputs = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4),
+                           use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 4
 
 
 def test_quantization_naming_a_checkpoint_format_on_a_full_precision_model_is_refused(
         llama_path: Path) -> None:
     config = AutoConfig.from_pretrained(llama_path)
-    with pytest.raises(ValueError, match="--quantization gptq .* not quantized"):
+    with pytest.raises(ValueError, match=r"--quantization gptq .* not quantized"):
         checkpoint_format(config, "gptq")
     assert checkpoint_format(config) is None
 
@@ -202,3 +215,13 @@ def _config(quantization: dict[str, Any]) -> Any:
     config = LlamaConfig()
     config.quantization_config = copy.deepcopy(quantization)
     return config
+
+
+def _tensor_names(checkpoint: Path) -> list[str]:
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in checkpoint.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            names += list(f.keys())
+    return names

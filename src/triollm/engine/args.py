@@ -37,6 +37,7 @@ from triollm.engine.resolve import (
 )
 from triollm.model.quantization.methods import (
     DEFAULT_GROUP_SIZE,
+    ON_THE_FLY_BITS,
     check_group_size,
     check_method,
 )
@@ -247,7 +248,7 @@ class EngineArgs:
         if self.quantization is None:
             return None
         reason = check_method(self.quantization)
-        if reason is None and device.type != "cpu":
+        if reason is None and self.quantization in ON_THE_FLY_BITS and device.type != "cpu":
             reason = f"{self.quantization} runs torch's CPU kernels; --device is {device.type}"
         if reason is not None:
             raise fail("quantization", reason)

@@ -14,8 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from triollm.config import DEMO_MODEL_NAME
 from triollm.errors import UnsupportedModelError
-from triollm.model.quantization.checkpoint_loader import dequantize_into, load_quantized_model
+from triollm.model.quantization.checkpoint_loader import load_quantized_model
 from triollm.model.quantization.detect import checkpoint_format
+from triollm.model.quantization.replace import replace_linear_layers
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -142,8 +143,10 @@ def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dic
             torch.manual_seed(0)
             loaded = auto.from_config(hf_config, **kwargs)
     elif (quantized := checkpoint_format(hf_config, quantization)) is not None:
+        install = functools.partial(replace_linear_layers,
+                                    method=f"{quantized.method} checkpoint")
         loaded = load_quantized_model(auto, model, hf_config, quantized, kwargs,
-                                      install=dequantize_into,
+                                      install=install,
                                       trust_remote_code=trust_remote_code,
                                       revision=revision, download_dir=download_dir)
     else:

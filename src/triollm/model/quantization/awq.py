@@ -49,10 +49,6 @@ class AWQFormat:
                                zeros=zeros.t().contiguous(), bits=self.bits,
                                group_size=min(group_size, in_features))
 
-    def describe(self) -> str:
-        group = "per-channel" if self.group_size in (-1, 0) else f"group size {self.group_size}"
-        return f"AWQ {self.bits}-bit, {group}"
-
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
         values = unpack_int32(packed, self.bits, dim=1)  # nibble order within each word
         rows, cols = values.shape

@@ -37,6 +37,3 @@ class CheckpointFormat(Protocol):
         """The layer at ``prefix`` (``model.layers.0.mlp.up_proj``), unpacked."""
         ...
 
-    def describe(self) -> str:
-        """Bits, group size and the like, for the start-up log."""
-        ...

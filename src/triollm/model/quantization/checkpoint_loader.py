@@ -27,7 +27,7 @@ __all__ = ["InstallWeights", "load_quantized_model"]
 logger = logging.getLogger(__name__)
 
 #: Puts quantized weights into a loaded model, by linear module name.
-InstallWeights = Callable[[nn.Module, dict[str, QuantizedWeight]], None]
+InstallWeights = Callable[[nn.Module, dict[str, QuantizedWeight]], object]
 
 
 def load_quantized_model(auto: Any, model: str, hf_config: PretrainedConfig,
@@ -68,17 +68,7 @@ def load_quantized_model(auto: Any, model: str, hf_config: PretrainedConfig,
     if missing:
         raise ValueError(f"{model}: the checkpoint has no weights for {', '.join(missing[:8])}"
                          f"{' ...' if len(missing) > 8 else ''}")
-    logger.info("%s: %d linear layers quantized (%s)", model, len(weights), fmt.describe())
     return loaded
-
-
-def dequantize_into(model: nn.Module, weights: dict[str, QuantizedWeight]) -> None:
-    """Each quantized layer's weight dequantized into its ``nn.Linear``, in the
-    model's dtype: the reference the quantized layers are held to."""
-    for name, weight in weights.items():
-        linear = model.get_submodule(name)
-        dtype = linear.weight.dtype
-        linear.weight = nn.Parameter(weight.dequantize(dtype), requires_grad=False)
 
 
 def _without_quantization(hf_config: PretrainedConfig) -> PretrainedConfig:

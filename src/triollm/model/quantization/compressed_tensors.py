@@ -91,12 +91,6 @@ class CompressedTensorsFormat:
                                zeros=zeros.contiguous(), bits=bits,
                                group_size=min(group_size, in_features), group_index=group_index)
 
-    def describe(self) -> str:
-        schemes = sorted({f"W{s.bits}A16 "
-                          f"{'per-channel' if s.group_size is None else f'group size {s.group_size}'}"
-                          f"{'' if s.symmetric else ' asymmetric'}" for s in self.schemes})
-        return f"compressed-tensors {', '.join(schemes)}"
-
     def _scheme_for(self, prefix: str) -> _Scheme:
         # a layer's name or regex wins over the class name every linear layer matches
         for scheme in self.schemes:

@@ -12,19 +12,12 @@ from triollm.model.quantization.awq import AWQFormat
 from triollm.model.quantization.checkpoint_format import CheckpointFormat
 from triollm.model.quantization.compressed_tensors import CompressedTensorsFormat
 from triollm.model.quantization.gptq import GPTQFormat
+from triollm.model.quantization.methods import CHECKPOINT_METHODS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["CHECKPOINT_METHODS", "checkpoint_format", "quantization_config"]
-
-#: Each checkpoint method triollm reads, with the ``--quantization`` names that ask for
-#: it (vLLM's kernel-specific names included: they name the same checkpoints).
-CHECKPOINT_METHODS: dict[str, tuple[str, ...]] = {
-    "gptq": ("gptq", "gptq_marlin", "auto_gptq", "marlin"),
-    "awq": ("awq", "awq_marlin", "auto_awq", "marlin"),
-    "compressed-tensors": ("compressed-tensors",),
-}
+__all__ = ["checkpoint_format", "quantization_config"]
 
 _FORMATS: dict[str, Callable[[Mapping[str, Any]], CheckpointFormat]] = {
     "gptq": GPTQFormat,

@@ -82,12 +82,6 @@ class GPTQFormat:
                                zeros=zeros.t().contiguous(), bits=bits, group_size=group_size,
                                group_index=group_index)
 
-    def describe(self) -> str:
-        s = self.settings
-        group = "per-channel" if s.group_size == -1 else f"group size {s.group_size}"
-        return (f"GPTQ {s.bits}-bit, {group}, {'symmetric' if s.sym else 'asymmetric'}"
-                f"{', desc_act' if s.desc_act else ''}")
-
     def _settings_for(self, prefix: str) -> _Settings:
         for pattern, fields in self.dynamic.items():
             if re.match(pattern, prefix):
