@@ -126,10 +126,33 @@ def test_quantized_checkpoint_decodes_like_transformers_on_its_dequantized_weigh
 
 
 @pytest.fixture(scope="module")
-def awq_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    checkpoint, _ = build_quantized_checkpoint(
+def awq_model(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> tuple[Path, Path]:
+    """An AWQ checkpoint of a Llama and its dequantized reference."""
+    return build_quantized_checkpoint(
         "llama", tmp_path_factory.mktemp("awq"), tokenizer, "awq", {"group_size": 64})
-    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def awq_checkpoint(awq_model: tuple[Path, Path]) -> Path:
+    return awq_model[0]
+
+
+def test_quantized_checkpoint_embeds_like_transformers_as_a_pooling_model(
+        awq_model: tuple[Path, Path], tokenizer: Any) -> None:
+    """The bare model of a causal LM's quantized checkpoint: its tensors' names lose the
+    base model's prefix."""
+    from transformers import AutoModel
+
+    checkpoint, reference = awq_model
+    llm = LLM(str(checkpoint), runner="pooling", dtype="float32", max_model_len=128,
+              enforce_eager=True)
+    prompt = PROMPTS[1]
+    got = torch.tensor(llm.embed([prompt], use_tqdm=False)[0].outputs.embedding)
+    model = AutoModel.from_pretrained(reference, dtype=torch.float32)
+    with torch.no_grad():
+        hidden = model(tokenizer(prompt, return_tensors="pt").input_ids).last_hidden_state
+    expected = torch.nn.functional.normalize(hidden[0, -1], dim=0)
+    assert torch.allclose(got, expected, atol=1e-4)
 
 
 def _with_quantization_config(source: Path, target: Path, config: dict[str, Any]) -> Path:

@@ -92,7 +92,7 @@ def _parameters_on_meta() -> Iterator[None]:
             kind = type(param)
             module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
