@@ -130,7 +130,7 @@ def test_on_the_fly_quantization_keeps_the_head_and_embeddings(tie: bool) -> Non
 def test_replacing_a_name_that_is_no_linear_layer_is_a_key_error() -> None:
     model = tiny_llama(False)
     weight = quantize_weight(model.model.layers[0].mlp.up_proj.weight, 8, -1)
-    with pytest.raises(KeyError, match="model.layers.0.mlp"):
+    with pytest.raises(KeyError, match=r"model\.layers\.0\.mlp"):
         replace_linear_layers(model, {"model.layers.0.mlp": weight})
     assert replace_linear_layers(model, {"model.layers.0.mlp.up_proj": weight}) == 1
     assert isinstance(model.model.layers[0].mlp.up_proj, QuantizedLinear)

@@ -8,6 +8,7 @@ naming them."""
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,7 @@ def test_prompt_log_likelihood_agrees_with_the_dequantized_model(
     bf16 = prompt_logprobs(quantized_llm(path, method, dtype="bfloat16"), token_ids)
     mean_expected = sum(expected) / len(expected)
     mean_bf16 = sum(bf16) / len(bf16)
-    assert abs(mean_bf16 - mean_expected) < 0.02 * abs(mean_expected)
+    assert abs(mean_bf16 - mean_expected) < 0.002 * abs(mean_expected)
     assert math.isfinite(mean_bf16)
 
 
@@ -157,5 +158,5 @@ def test_a_pooling_model_embeds_like_its_dequantized_copy(
 ])
 def test_unknown_methods_and_group_sizes_are_refused_naming_them(
         args: dict[str, Any], message: str, llama_path: Path) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         EngineArgs(model=str(llama_path), **args).create_engine_config()

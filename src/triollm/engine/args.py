@@ -138,7 +138,8 @@ class EngineArgs:
     #: vLLM's --reasoning-parser-plugin: a Python file that registers more parsers.
     reasoning_parser_plugin: str | None = None
     #: Weight-only quantization of the linear layers at load, on CPU: ``int8`` or
-    #: ``int4`` (triollm's own names; model/quantization/methods.py). None: none.
+    #: ``int4`` (triollm's own names; model/quantization/methods.py), or a quantized
+    #: checkpoint's own method (which it must match). None: the checkpoint's, if any.
     quantization: str | None = None
     #: ``int4``'s input columns per group (-1: per channel); triollm's own flag.
     quantization_group_size: int = DEFAULT_GROUP_SIZE

@@ -1,0 +1,135 @@
+"""Weight-only quantization against bf16: decode tokens/s at batch 1, 4 and 16 and
+prefill tokens/s, for ``--quantization int4`` and ``int8`` and the bf16 model, in one run.
+
+The model has Qwen2.5-0.5B's shape (24 layers, hidden 896, MLP 4864, 14 query and 2
+key-value heads, its 151,936-token vocabulary with the LM head tied to the embeddings)
+with random bf16 weights; quantization replaces the decoder's linear layers (the tied
+head and the embeddings stay bf16, as vLLM leaves them). Each configuration runs in a
+process of its own: load (and compile, at ``--optimization-level``), warm up, then
+
+- decode at batch ``b``: ``b`` prompts of 32 tokens generating ``--decode-tokens``
+  (greedy, ignore_eos), minus the same prompts generating one token, over the tokens
+  decoded after the first;
+- prefill: one prompt of ``--prefill-tokens`` generating one token.
+
+Reported: tokens/s, the ratio to bf16, and how many cores the rest of the machine kept
+busy meanwhile (benchmarks/vs_vllm.py's ``LoadSampler``; over a tenth of a core marks
+the figure contaminated).
+
+    python benchmarks/quantization.py
+    python benchmarks/quantization.py --modes bf16 int4 --batches 1 --optimization-level 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+
+from vs_vllm import CONTAMINATED_CORES, platform_line, run_child
+
+#: Qwen2.5-0.5B: hidden, intermediate, layers, query heads, key-value heads, vocabulary.
+SHAPE = (896, 4864, 24, 14, 2, 151936)
+
+
+def save_model(directory: str) -> None:
+    import torch
+    import transformers
+
+    from triollm.testing import train_test_tokenizer
+
+    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPE
+    config = transformers.Qwen2Config(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # weights of a trained model's scale, not init's 0.02 everywhere
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0, parameter.shape[1] ** -0.5)
+    model.save_pretrained(directory)
+    train_test_tokenizer().save_pretrained(directory)
+
+
+def child(model: str, mode: str, batches: list[int], decode_tokens: int,
+          prefill_tokens: int, optimization_level: int, repeats: int) -> None:
+    from triollm import LLM, SamplingParams
+
+    quantization = None if mode == "bf16" else mode
+    started = time.perf_counter()
+    llm = LLM(model, dtype="bfloat16", max_model_len=max(prefill_tokens + 8, 512),
+              max_num_seqs=max(batches), max_num_batched_tokens=max(prefill_tokens, 2048),
+              quantization=quantization, optimization_level=optimization_level,
+              enable_prefix_caching=False)
+    load_s = time.perf_counter() - started
+    rng = random.Random(0)
+
+    def prompts(count: int, length: int) -> list[dict[str, list[int]]]:
+        return [{"prompt_token_ids": [rng.randrange(10, 1000) for _ in range(length)]}
+                for _ in range(count)]
+
+    def seconds(batch: list[dict[str, list[int]]], tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    seconds(prompts(1, 32), 4)  # warm-up
+    result: dict[str, float] = {"load_s": load_s}
+    for size in batches:
+        batch = prompts(size, 32)
+        decode = seconds(batch, decode_tokens) - seconds(batch, 1)
+        result[f"decode_b{size}"] = size * (decode_tokens - 1) / decode
+    result["prefill"] = prefill_tokens / seconds(prompts(1, prefill_tokens), 1)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+", default=["bf16", "int8", "int4"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--decode-tokens", type=int, default=33)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--optimization-level", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    print(f"# {platform_line()}; Python {platform.python_version()}")
+    with tempfile.TemporaryDirectory() as directory:
+        save_model(directory)
+        results = {}
+        for mode in args.modes:
+            command = [sys.executable, __file__, "--child", directory, mode,
+                       json.dumps(args.batches), str(args.decode_tokens),
+                       str(args.prefill_tokens), str(args.optimization_level),
+                       str(args.repeats)]
+            result, others = run_child(command, mode)
+            results[mode] = result
+            flag = "  CONTAMINATED" if others > CONTAMINATED_CORES else ""
+            print(f"{mode}: loaded in {result['load_s']:.0f} s; others used "
+                  f"{others:.2f} cores{flag}", flush=True)
+    keys = [f"decode_b{size}" for size in args.batches] + ["prefill"]
+    print(f"{'tok/s':>8}" + "".join(f"{key:>22}" for key in keys))
+    base = results.get("bf16")
+    for mode, result in results.items():
+        cells = "".join(
+            f"{result[key]:>12.1f}" + (f" ({result[key] / base[key]:.2f}x)" if base else "")
+            .ljust(10) for key in keys)
+        print(f"{mode:>8}{cells}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]),
+              int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]))
+    else:
+        main()
