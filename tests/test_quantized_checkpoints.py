@@ -134,6 +134,25 @@ def test_quantized_checkpoint_decodes_like_transformers_on_its_dequantized_weigh
     assert len(quantized) == (0 if case in DEQUANTIZED else 7 * 2)
 
 
+def test_gptq_settings_in_quantize_config_json_are_read_when_quantization_names_gptq(
+        tmp_path: Path, tokenizer: Any) -> None:
+    """Older AutoGPTQ checkpoints keep their settings in quantize_config.json, not in
+    config.json; vLLM reads that file for ``--quantization gptq``, and so does triollm."""
+    checkpoint, reference = build_quantized_checkpoint(
+        "llama", tmp_path, tokenizer, "gptq", {"bits": 4, "group_size": 64, "sym": False,
+                                               "desc_act": False, "checkpoint_format": "gptq"})
+    config = json.loads((checkpoint / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    settings.pop("quant_method")
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    (checkpoint / "quantize_config.json").write_text(json.dumps(settings))
+    llm = LLM(str(checkpoint), quantization="gptq", dtype="float32", max_model_len=128,
+              num_gpu_blocks_override=64, enforce_eager=True)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == _reference(reference)
+
+
 @pytest.fixture(scope="module")
 def awq_model(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> tuple[Path, Path]:
     """An AWQ checkpoint of a Llama and its dequantized reference."""

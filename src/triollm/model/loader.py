@@ -14,9 +14,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from triollm.config import DEMO_MODEL_NAME
 from triollm.errors import UnsupportedModelError
+from triollm.model.quantization.checkpoint_files import checkpoint_directory
+from triollm.model.quantization.checkpoint_format import CheckpointFormat
 from triollm.model.quantization.checkpoint_loader import load_quantized_model
 from triollm.model.quantization.detect import checkpoint_format
-from triollm.model.quantization.replace import replace_linear_layers
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -142,11 +143,9 @@ def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dic
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             loaded = auto.from_config(hf_config, **kwargs)
-    elif (quantized := checkpoint_format(hf_config, quantization)) is not None:
-        install = functools.partial(replace_linear_layers,
-                                    method=f"{quantized.method} checkpoint")
+    elif (quantized := _checkpoint_format(model, hf_config, quantization, revision,
+                                          download_dir)) is not None:
         loaded = load_quantized_model(auto, model, hf_config, quantized, kwargs,
-                                      install=install,
                                       trust_remote_code=trust_remote_code,
                                       revision=revision, download_dir=download_dir)
     else:
@@ -155,6 +154,16 @@ def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dic
                                       **_hub(revision, download_dir), **kwargs)
     check_supported(type(loaded))
     return loaded.to(device).eval()
+
+
+def _checkpoint_format(model: str, hf_config: PretrainedConfig, quantization: str | None,
+                       revision: str | None, download_dir: str | None
+                       ) -> CheckpointFormat | None:
+    """The quantized checkpoint's format (model/quantization/detect.py); None: load in
+    ``dtype`` through ``from_pretrained``."""
+    files = functools.partial(checkpoint_directory, model, revision=revision,
+                              download_dir=download_dir)
+    return checkpoint_format(hf_config, quantization, files)
 
 
 def load_pooling_model(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,7 @@ from torch import nn
 
 from triollm.model.quantization.checkpoint_files import CheckpointTensors, checkpoint_directory
 from triollm.model.quantization.checkpoint_format import CheckpointFormat
+from triollm.model.quantization.replace import replace_linear_layers
 from triollm.model.quantization.weights import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -24,18 +24,18 @@ if TYPE_CHECKING:
 
 __all__ = ["InstallWeights", "load_quantized_model"]
 
-logger = logging.getLogger(__name__)
-
 #: Puts quantized weights into a loaded model, by linear module name.
 InstallWeights = Callable[[nn.Module, dict[str, QuantizedWeight]], object]
 
 
 def load_quantized_model(auto: Any, model: str, hf_config: PretrainedConfig,
                          fmt: CheckpointFormat, kwargs: dict[str, Any], *,
-                         install: InstallWeights, trust_remote_code: bool = False,
-                         revision: str | None = None,
+                         install: InstallWeights | None = None,
+                         trust_remote_code: bool = False, revision: str | None = None,
                          download_dir: str | None = None) -> PreTrainedModel:
-    """``auto``'s model for ``model``'s quantized checkpoint in ``fmt``, on the CPU."""
+    """``auto``'s model for ``model``'s quantized checkpoint in ``fmt``, on the CPU;
+    ``install`` puts the quantized weights in (default: ``replace_linear_layers``, the
+    quantized layers)."""
     dtype: torch.dtype = kwargs["dtype"]
     with _parameters_on_meta():
         loaded = auto.from_config(_without_quantization(hf_config),
@@ -62,7 +62,10 @@ def load_quantized_model(auto: Any, model: str, hf_config: PretrainedConfig,
             if module_name is None:
                 continue
             weights[module_name.removesuffix(".weight")] = fmt.read_layer(prefix, tensors.get)
-    install(loaded, weights)
+    if install is None:
+        replace_linear_layers(loaded, weights, method=f"{fmt.method} checkpoint")
+    else:
+        install(loaded, weights)
     loaded.tie_weights()
     missing = [name for name, param in loaded.named_parameters() if param.is_meta]
     if missing:

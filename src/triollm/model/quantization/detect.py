@@ -5,7 +5,9 @@ refused with its name."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from triollm.model.quantization.awq import AWQFormat
@@ -18,6 +20,11 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 __all__ = ["checkpoint_format", "quantization_config"]
+
+#: Where older GPTQ and AWQ checkpoints keep their settings instead of config.json's
+#: ``quantization_config``; read only when ``--quantization`` names the method, as vLLM.
+_CONFIG_FILES = {"gptq": ("quantize_config.json",),
+                 "awq": ("quantize_config.json", "quant_config.json")}
 
 _FORMATS: dict[str, Callable[[Mapping[str, Any]], CheckpointFormat]] = {
     "gptq": GPTQFormat,
@@ -37,10 +44,12 @@ def quantization_config(hf_config: PretrainedConfig) -> dict[str, Any] | None:
     return None
 
 
-def checkpoint_format(hf_config: PretrainedConfig,
-                      requested: str | None = None) -> CheckpointFormat | None:
+def checkpoint_format(hf_config: PretrainedConfig, requested: str | None = None,
+                      directory: Callable[[], Path] | None = None) -> CheckpointFormat | None:
     """The format of the model's quantized checkpoint; None where the checkpoint is not
     quantized and ``requested`` (``--quantization``) asks for no checkpoint format.
+    ``directory`` gives the checkpoint's files, where a GPTQ or AWQ checkpoint named by
+    ``requested`` may keep its settings in ``quantize_config.json``.
 
     Raises ``ValueError`` naming the method for a method triollm does not read, a
     ``requested`` method that is not the checkpoint's, or a checkpoint format asked
@@ -48,6 +57,8 @@ def checkpoint_format(hf_config: PretrainedConfig,
     """
     config = quantization_config(hf_config)
     wanted = _method_named(requested)
+    if config is None and wanted in _CONFIG_FILES and directory is not None:
+        config = _config_file(directory(), wanted)
     if config is None:
         if wanted is not None:
             raise ValueError(f"--quantization {requested} reads a {wanted} checkpoint, but the "
@@ -70,4 +81,12 @@ def _method_named(requested: str | None) -> str | None:
     for method, names in CHECKPOINT_METHODS.items():
         if requested in names:
             return method
+    return None
+
+
+def _config_file(directory: Path, method: str) -> dict[str, Any] | None:
+    for name in _CONFIG_FILES[method]:
+        path = directory / name
+        if path.is_file():
+            return {"quant_method": method, **json.loads(path.read_text("utf-8"))}
     return None
