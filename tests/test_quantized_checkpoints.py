@@ -276,3 +276,62 @@ def _tensor_names(checkpoint: Path) -> list[str]:
         with safe_open(str(path), framework="pt") as f:
             names += list(f.keys())
     return names
+
+
+def test_gptqmodel_dynamic_rules_override_a_modules_bits_and_group_size() -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 256, generator=generator) * 0.1
+    base = {"bits": 4, "group_size": 128, "sym": True, "desc_act": False,
+            "checkpoint_format": "gptq"}
+    override = {**base, "bits": 8, "group_size": 32}
+    config = {**quantization_config("gptq", base),
+              "dynamic": {r"+:.*\.down_proj": {"bits": 8, "group_size": 32},
+                          r"-:.*\.gate_proj": {}}}
+    fmt = checkpoint_format(_config(config))
+    assert fmt is not None
+    for name, settings in [("model.layers.0.mlp.down_proj", override),
+                           ("model.layers.0.mlp.up_proj", base)]:
+        layer = quantize_layer("gptq", weight, settings, generator)
+        unpacked = fmt.read_layer(name, functools.partial(_by_suffix, layer.tensors))
+        assert (unpacked.bits, unpacked.group_size) == (settings["bits"],
+                                                        settings["group_size"])
+        assert torch.equal(unpacked.dequantize(), layer.weight)
+
+
+def test_compressed_tensors_config_groups_apply_by_target_name_before_class() -> None:
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(64, 256, generator=generator) * 0.1
+    four = {"bits": 4, "group_size": 64, "sym": True, "actorder": False}
+    eight = {"bits": 8, "group_size": None, "sym": False, "actorder": False}
+    config = quantization_config("compressed-tensors", four)
+    eight_group = quantization_config("compressed-tensors", eight)["config_groups"]["group_0"]
+    config["config_groups"] = {"group_0": config["config_groups"]["group_0"],
+                               "group_1": {**eight_group, "targets": ["re:.*down_proj$"]}}
+    fmt = checkpoint_format(_config(config))
+    assert fmt is not None
+    for name, settings in [("model.layers.1.mlp.down_proj", eight),
+                           ("model.layers.1.self_attn.o_proj", four)]:
+        layer = quantize_layer("compressed-tensors", weight, settings, generator)
+        unpacked = fmt.read_layer(name, functools.partial(_by_suffix, layer.tensors))
+        assert unpacked.bits == settings["bits"]
+        assert torch.equal(unpacked.dequantize(), layer.weight)
+
+
+def test_compressed_tensors_int_quantized_weight_only_reads_signed_int8() -> None:
+    """W8A16 in ``int-quantized`` form: the int8 weight itself, a scale per channel."""
+    generator = torch.Generator().manual_seed(5)
+    signed = torch.randint(-128, 128, (48, 96), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(48, 1, generator=generator) / 100).half()
+    tensors = {"weight": signed, "weight_scale": scales}
+    config = quantization_config("compressed-tensors", {"bits": 8, "group_size": None,
+                                                        "sym": True, "actorder": False})
+    config["format"] = "int-quantized"
+    config["config_groups"]["group_0"]["format"] = "int-quantized"
+    fmt = checkpoint_format(_config(config))
+    assert fmt is not None
+    unpacked = fmt.read_layer("layer", lambda key: tensors[key.rpartition(".")[2]])
+    assert torch.equal(unpacked.dequantize(), signed.float() * scales.float())
+
+
+def _by_suffix(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    return tensors[name.rpartition(".")[2]]
