@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["InstallWeights", "load_quantized_model"]
 
 #: Puts quantized weights into a loaded model, by linear module name.
-InstallWeights = Callable[[nn.Module, dict[str, QuantizedWeight]], object]
+InstallWeights = Callable[[nn.Module, Mapping[str, QuantizedWeight]], object]
 
 
 def load_quantized_model(auto: Any, model: str, hf_config: PretrainedConfig,
@@ -56,16 +56,15 @@ def load_quantized_model(auto: Any, model: str, hf_config: PretrainedConfig,
                 tensor = tensors.get(name)
                 state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         loaded.load_state_dict(state, strict=False, assign=True)
-        weights: dict[str, QuantizedWeight] = {}
+        prefixes: dict[str, str] = {}
         for prefix in sorted(quantized):
-            module_name = keys.model_key(f"{prefix}.weight")
-            if module_name is None:
-                continue
-            weights[module_name.removesuffix(".weight")] = fmt.read_layer(prefix, tensors.get)
-    if install is None:
-        replace_linear_layers(loaded, weights, method=f"{fmt.method} checkpoint")
-    else:
-        install(loaded, weights)
+            if (key := keys.model_key(f"{prefix}.weight")) is not None:
+                prefixes[key.removesuffix(".weight")] = prefix
+        weights = _LayersRead(prefixes, fmt, tensors)
+        if install is None:
+            replace_linear_layers(loaded, weights, method=f"{fmt.method} checkpoint")
+        else:
+            install(loaded, weights)
     loaded.tie_weights()
     missing = [name for name, param in loaded.named_parameters() if param.is_meta]
     if missing:
@@ -115,3 +114,23 @@ class _KeyMap:
             if key in self.keys:
                 return key
         return None
+
+
+class _LayersRead(Mapping[str, QuantizedWeight]):
+    """The quantized layers by module name, each read from the checkpoint when looked
+    up and not kept: one layer's unpacked integers are in memory at a time."""
+
+    def __init__(self, prefixes: dict[str, str], fmt: CheckpointFormat,
+                 tensors: CheckpointTensors) -> None:
+        self.prefixes = prefixes
+        self.fmt = fmt
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        return self.fmt.read_layer(self.prefixes[name], self.tensors.get)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.prefixes)
+
+    def __len__(self) -> int:
+        return len(self.prefixes)
