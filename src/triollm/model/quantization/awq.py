@@ -40,17 +40,16 @@ class AWQFormat:
         self._columns = torch.tensor([_ORDER.index(c) for c in range(8)])
 
     def read_layer(self, prefix: str, get: TensorGetter) -> QuantizedWeight:
-        qweight = self._unpack(get(f"{prefix}.qweight"))  # [K, N]
-        in_features = qweight.shape[0]
-        zeros = self._unpack(get(f"{prefix}.qzeros")).float()  # [groups, N]
-        scales = get(f"{prefix}.scales").float()
+        qweight = self._unpack(get(f"{prefix}.qweight"))  # [N, K]
+        in_features = qweight.shape[1]
+        zeros = self._unpack(get(f"{prefix}.qzeros")).float()  # [N, groups]
+        scales = get(f"{prefix}.scales").t().float().contiguous()
         group_size = in_features if self.group_size in (-1, 0) else self.group_size
-        return QuantizedWeight(qweight=qweight.t().contiguous(), scales=scales.t().contiguous(),
-                               zeros=zeros.t().contiguous(), bits=self.bits,
+        return QuantizedWeight(qweight=qweight, scales=scales, zeros=zeros, bits=self.bits,
                                group_size=min(group_size, in_features))
 
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        values = unpack_int32(packed, self.bits, dim=1)  # nibble order within each word
-        rows, cols = values.shape
-        words = values.view(rows, cols // 8, 8)
-        return words[:, :, self._columns].reshape(rows, cols)
+        """``[rows, N / 8]`` words → ``[N, rows]`` values in column order."""
+        values = unpack_int32(packed, self.bits, dim=1, transpose=True)  # nibble order
+        columns, rows = values.shape
+        return values.view(columns // 8, 8, rows)[:, self._columns].reshape(columns, rows)

@@ -64,13 +64,14 @@ class GPTQFormat:
     def read_layer(self, prefix: str, get: TensorGetter) -> QuantizedWeight:
         settings = self._settings_for(prefix)
         bits = settings.bits
-        qweight = unpack_int32(get(f"{prefix}.qweight"), bits, dim=0)  # [K, N]
-        in_features, out_features = qweight.shape
-        scales = get(f"{prefix}.scales").float()  # [groups, N]
+        qweight = unpack_int32(get(f"{prefix}.qweight"), bits, dim=0, transpose=True)
+        out_features, in_features = qweight.shape
+        scales = get(f"{prefix}.scales").t().float().contiguous()  # [N, groups]
         if settings.sym:
             zeros = torch.full_like(scales, float(1 << (bits - 1)))
         else:
-            zeros = unpack_int32(get(f"{prefix}.qzeros"), bits, dim=1)[:, :out_features].float()
+            zeros = unpack_int32(get(f"{prefix}.qzeros"), bits, dim=1, transpose=True)
+            zeros = zeros[:out_features].float()
             if self.zeros_minus_one:
                 zeros = zeros + 1
         per_channel = settings.group_size == -1 or settings.group_size >= in_features
@@ -78,9 +79,8 @@ class GPTQFormat:
         group_index = None
         if settings.desc_act and not per_channel:
             group_index = get(f"{prefix}.g_idx").to(torch.int32)
-        return QuantizedWeight(qweight=qweight.t().contiguous(), scales=scales.t().contiguous(),
-                               zeros=zeros.t().contiguous(), bits=bits, group_size=group_size,
-                               group_index=group_index)
+        return QuantizedWeight(qweight=qweight, scales=scales, zeros=zeros.contiguous(),
+                               bits=bits, group_size=group_size, group_index=group_index)
 
     def _settings_for(self, prefix: str) -> _Settings:
         for pattern, fields in self.dynamic.items():
