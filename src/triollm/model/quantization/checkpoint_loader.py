@@ -1,8 +1,8 @@
 """A quantized checkpoint loaded into a transformers model: the model is built with
-its parameters on the meta device (no full-precision weights are ever allocated), the
+its parameters on the meta device (the full-precision model is never in memory), the
 unquantized tensors (embeddings, norms, biases, unquantized layers) are read from the
 safetensors files into it, and each quantized linear layer's tensors become a
-``QuantizedWeight`` handed to ``install``."""
+``QuantizedWeight`` handed to ``install``, one layer at a time."""
 
 from __future__ import annotations
 
