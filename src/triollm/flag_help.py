@@ -62,7 +62,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                      "read again from their path when needed",
     "lora_dtype": "dtype of the adapters' weights: auto (the model's), bfloat16, float32",
     "quantization": "weight-only quantization of the linear layers at load, on CPU: int8 "
-                    "(per channel) or int4 (grouped); triollm's own methods "
+                    "(per channel) or int4 (grouped), triollm's own methods; or a "
+                    "quantized checkpoint's own method (gptq, awq, compressed-tensors), "
+                    "which is read from its config without this flag "
                     "(docs/quantization.md)",
     "quantization_group_size": "int4's input columns per group, a multiple of 32 (-1: "
                                "per channel); triollm's own flag",

@@ -37,6 +37,7 @@ from triollm.engine.resolve import (
 )
 from triollm.model.quantization.methods import (
     DEFAULT_GROUP_SIZE,
+    ON_THE_FLY_BITS,
     check_group_size,
     check_method,
 )
@@ -138,7 +139,8 @@ class EngineArgs:
     #: vLLM's --reasoning-parser-plugin: a Python file that registers more parsers.
     reasoning_parser_plugin: str | None = None
     #: Weight-only quantization of the linear layers at load, on CPU: ``int8`` or
-    #: ``int4`` (triollm's own names; model/quantization/methods.py). None: none.
+    #: ``int4`` (triollm's own names; model/quantization/methods.py), or a quantized
+    #: checkpoint's own method (which it must match). None: the checkpoint's, if any.
     quantization: str | None = None
     #: ``int4``'s input columns per group (-1: per channel); triollm's own flag.
     quantization_group_size: int = DEFAULT_GROUP_SIZE
@@ -255,7 +257,7 @@ class EngineArgs:
         if self.quantization is None:
             return None
         reason = check_method(self.quantization)
-        if reason is None and device.type != "cpu":
+        if reason is None and self.quantization in ON_THE_FLY_BITS and device.type != "cpu":
             reason = f"{self.quantization} runs torch's CPU kernels; --device is {device.type}"
         if reason is not None:
             raise fail("quantization", reason)

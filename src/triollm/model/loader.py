@@ -15,6 +15,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from triollm.config import DEMO_MODEL_NAME
 from triollm.errors import UnsupportedModelError
+from triollm.model.quantization.checkpoint_files import checkpoint_directory
+from triollm.model.quantization.checkpoint_format import CheckpointFormat
+from triollm.model.quantization.checkpoint_loader import load_quantized_model
+from triollm.model.quantization.detect import checkpoint_format
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -115,8 +119,11 @@ def load_model(
     trust_remote_code: bool = False,
     revision: str | None = None,
     download_dir: str | None = None,
+    quantization: str | None = None,
 ) -> PreTrainedModel:
-    """Load the model with our attention plugged in, in eval mode, on ``device``."""
+    """Load the model with our attention plugged in, in eval mode, on ``device``; a
+    quantized checkpoint (or ``quantization``, vLLM's ``--quantization``, naming its
+    format) loads through ``model/quantization``."""
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "dtype": dtype}
     model_class = _causal_lm_class(hf_config)
     if model_class is not None:
@@ -125,12 +132,12 @@ def load_model(
         logger.warning("%s is a built-in demo with random weights: it writes noise. Pass "
                        "--model / model= to serve a real model.", DEMO_MODEL_NAME)
     return _instantiate(AutoModelForCausalLM, model, hf_config, kwargs, device,
-                        trust_remote_code, revision, download_dir)
+                        trust_remote_code, revision, download_dir, quantization)
 
 
 def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dict[str, Any],
                  device: torch.device, trust_remote_code: bool, revision: str | None,
-                 download_dir: str | None) -> PreTrainedModel:
+                 download_dir: str | None, quantization: str | None = None) -> PreTrainedModel:
     """``auto.from_pretrained`` (the demo model: seeded random weights), checked, in eval
     mode on ``device``."""
     logger.info("loading the model %s...", model)
@@ -139,6 +146,11 @@ def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dic
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             loaded = auto.from_config(hf_config, **kwargs)
+    elif (quantized := _checkpoint_format(model, hf_config, quantization, revision,
+                                          download_dir)) is not None:
+        loaded = load_quantized_model(auto, model, hf_config, quantized, kwargs,
+                                      trust_remote_code=trust_remote_code,
+                                      revision=revision, download_dir=download_dir)
     else:
         loaded = auto.from_pretrained(model, config=hf_config,
                                       trust_remote_code=trust_remote_code,
@@ -149,6 +161,16 @@ def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dic
     logger.info("loaded the model in %.1f s (%.2f GiB of weights)",
                 time.perf_counter() - started, size / 2**30)
     return loaded
+
+
+def _checkpoint_format(model: str, hf_config: PretrainedConfig, quantization: str | None,
+                       revision: str | None, download_dir: str | None
+                       ) -> CheckpointFormat | None:
+    """The quantized checkpoint's format (model/quantization/detect.py); None: load in
+    ``dtype`` through ``from_pretrained``."""
+    files = functools.partial(checkpoint_directory, model, revision=revision,
+                              download_dir=download_dir)
+    return checkpoint_format(hf_config, quantization, files)
 
 
 def load_pooling_model(
@@ -162,6 +184,7 @@ def load_pooling_model(
     trust_remote_code: bool = False,
     revision: str | None = None,
     download_dir: str | None = None,
+    quantization: str | None = None,
 ) -> PreTrainedModel:
     """A pooling model in eval mode on ``device``: the bare transformer (``AutoModel``:
     a causal LM's checkpoint loads without its head) or, with ``classify``, the
@@ -170,7 +193,7 @@ def load_pooling_model(
                  else transformers.AutoModel)
     kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "dtype": dtype}
     return _instantiate(auto, model, hf_config, kwargs, device, trust_remote_code, revision,
-                        download_dir)
+                        download_dir, quantization)
 
 
 def _causal_lm_class(hf_config: PretrainedConfig) -> type | None:

@@ -38,9 +38,11 @@ def replace_linear_layers(model: nn.Module, weights: Mapping[str, QuantizedWeigh
     ``nn.Linear`` of ``model``. ``method`` names the quantization in the log."""
     modules = dict(model.named_modules())
     kernels: Counter[str] = Counter()
-    for name, weight in weights.items():
+    layouts: set[str] = set()
+    for name, weight in weights.items():  # one pass: a checkpoint reads each layer lazily
         kernels[_replace(model, modules, name, weight)] += 1
-    _log(model, method, {_layout(weight) for weight in weights.values()}, kernels)
+        layouts.add(_layout(weight))
+    _log(model, method, layouts, kernels)
     return sum(kernels.values())
 
 

@@ -60,6 +60,11 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[out_features, in_features]`` weight it stands for, in ``dtype``."""
+        if self.group_index is None and self.in_features % self.group_size == 0:
+            # groups in order: broadcast each group's scale and zero over its columns
+            q = self.qweight.float().view(self.out_features, -1, self.group_size)
+            weight = (q - self.zeros.float()[:, :, None]) * self.scales.float()[:, :, None]
+            return weight.view(self.out_features, self.in_features).to(dtype)
         groups = self.groups()
         q = self.qweight.float()
         weight = (q - self.zeros.float()[:, groups]) * self.scales.float()[:, groups]

@@ -59,7 +59,9 @@ class PoolingModelRunner:
         self.model = load_pooling_model(
             model_config.model, model_config.hf_config, classify=self.task == "classify",
             attn_implementation=VARLEN_ATTENTION_NAME, dtype=self.dtype, device=self.device,
-            trust_remote_code=model_config.trust_remote_code, **hub)
+            trust_remote_code=model_config.trust_remote_code,
+            quantization=(model_config.quantization.method
+                          if model_config.quantization is not None else None), **hub)
         self.encoder: nn.Module = self.model.base_model if self.task == "classify" else self.model
         embeddings = getattr(self.encoder, "embeddings", None)
         positions = getattr(embeddings, "position_embeddings", None)

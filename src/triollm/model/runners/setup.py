@@ -26,6 +26,7 @@ from triollm.model.attention.metadata import (
 from triollm.model.cpu.malloc import keep_freed_memory
 from triollm.model.cpu.packed_linear import pack_linear_layers
 from triollm.model.cpu.threads import ComputeThreads
+from triollm.model.quantization.methods import ON_THE_FLY_BITS
 from triollm.model.quantization.replace import quantize_linear_layers
 
 __all__ = ["num_kv_blocks", "prepare_for_cpu", "profile_kv_specs"]
@@ -43,7 +44,7 @@ def prepare_for_cpu(model: nn.Module, cpu_threads: int | None,
     thresholds."""
     compute_threads = ComputeThreads(cpu_threads)
     keep_freed_memory()
-    if quantization is not None:
+    if quantization is not None and quantization.method in ON_THE_FLY_BITS:
         quantize_linear_layers(model, quantization.method, quantization.group_size)
     packed = pack_linear_layers(model)
     logger.info("%d linear layers run on packed weights", packed)

@@ -96,6 +96,8 @@ class TorchModelRunner:
             trust_remote_code=model_config.trust_remote_code,
             revision=model_config.revision,
             download_dir=model_config.download_dir,
+            quantization=(model_config.quantization.method
+                          if model_config.quantization is not None else None),
         )
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.compute_threads: ComputeThreads | None = (
