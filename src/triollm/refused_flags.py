@@ -21,7 +21,8 @@ _MULTIMODAL = "triollm serves text-only models"
 _LORA = "this LoRA option is not supported: triollm serves LoRA adapters on the linear " \
         "layers of text generation models (--enable-lora, --lora-modules, --max-loras, " \
         "--max-lora-rank, --max-cpu-loras, --lora-dtype, --lora-target-modules)"
-_QUANT = "quantized weights and KV caches are not supported: weights load in --dtype"
+_QUANT = ("only the --quantization methods in docs/quantization.md are supported, and no "
+          "quantized KV cache: the cache is kept in --dtype")
 _KERNELS = "vLLM's kernel, CUDA-graph and compilation settings have no counterpart: " \
            "on CPU triollm compiles its decode attention and, by --optimization-level, the " \
            "model's forward (--enforce-eager turns both off)"
