@@ -171,3 +171,22 @@ def test_the_server_serves_on_the_sockets_bound_before_the_model_loaded(
     with server_in_thread(AsyncLLMEngine.from_engine_args(args), listen_fds=fds) as server:
         assert server.url == f"http://127.0.0.1:{port}"
         assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_the_hub_is_asked_once_about_a_model_it_has(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    import huggingface_hub
+
+    asked: list[str] = []
+
+    def found(self: object, name: str, **kwargs: object) -> None:
+        asked.append(name)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", found)
+    name = f"org/found-{tmp_path.name}"
+    for _ in range(2):  # the CLI's check, then the engine arguments'
+        assert model_source_problem(name, probe_hub=True) is None
+    assert asked == [name]

@@ -157,6 +157,8 @@ HONOURED: dict[str, tuple[str, Callable[[Any], bool]]] = {
         if len(os.sched_getaffinity(0)) > 1 else True),
     "VLLM_LOGGING_LEVEL": ("Error", lambda ns: ns.uvicorn_log_level == "error"),
     "VLLM_LOGGING_PREFIX": ("[x] ", lambda ns: ns.vllm_environment.logging_prefix == "[x] "),
+    "VLLM_LOG_STATS_INTERVAL": (
+        "2.5", lambda ns: cli.server_options_from_namespace(ns).log_stats_interval == 2.5),
     "VLLM_CONFIGURE_LOGGING": ("0", lambda ns: not ns.vllm_environment.configure_logging),
     "VLLM_LOGGING_CONFIG_PATH": ("", lambda ns: ns.vllm_environment.logging_config
                                  == {"version": 1}),

@@ -200,7 +200,8 @@ def _server_option_values(namespace: argparse.Namespace) -> dict[str, Any]:
             allow_credentials=namespace.allow_credentials,
             allowed_methods=tuple(namespace.allowed_methods),
             allowed_headers=tuple(namespace.allowed_headers)),
-        log_stats_interval=None if namespace.disable_log_stats else 10.0,
+        log_stats_interval=None if namespace.disable_log_stats else (
+            _environment(namespace).log_stats_interval),
         lora_modules=tuple(namespace.lora_modules), **tool_options(namespace),
         **connection_options(namespace))
 

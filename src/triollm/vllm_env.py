@@ -78,6 +78,9 @@ VLLM_VARIABLES: dict[str, VllmVariable] = {
     "VLLM_LOGGING_LEVEL": _honoured("the log level, as --uvicorn-log-level (--log-level "
                                     "or --uvicorn-log-level on the command line wins)"),
     "VLLM_LOGGING_PREFIX": _honoured("put in front of every log line"),
+    "VLLM_LOG_STATS_INTERVAL": _honoured("seconds between statistics lines (a positive "
+                                         "number; --disable-log-stats still turns them "
+                                         "off)"),
     "VLLM_CONFIGURE_LOGGING": _honoured("0: triollm serve leaves Python's logging as it "
                                         "is"),
     "VLLM_LOGGING_CONFIG_PATH": _honoured("a JSON file of logging.config.dictConfig, "
@@ -152,6 +155,8 @@ class VllmEnvironment:
     cpu_binding: frozenset[int] | None = None
     configure_logging: bool = True
     logging_prefix: str = ""
+    #: Seconds between statistics lines (``VLLM_LOG_STATS_INTERVAL``).
+    log_stats_interval: float = 10.0
     #: ``VLLM_LOGGING_CONFIG_PATH``'s ``dictConfig``.
     logging_config: dict[str, Any] | None = None
     #: Logged at start: the noted variables, and the unknown ones (as warnings).
@@ -224,6 +229,11 @@ def _honoured_settings(given: Mapping[str, str], prefix: str, notes: tuple[str, 
                              f"the {usable} usable to compute on")
         if reserved:
             defaults["cpu_threads"] = usable - reserved
+    interval = _number("VLLM_LOG_STATS_INTERVAL",
+                       given.get("VLLM_LOG_STATS_INTERVAL", "10"), float)
+    if not interval > 0:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL={interval}: expected a positive number "
+                         f"of seconds")
     configure = _number("VLLM_CONFIGURE_LOGGING", given.get("VLLM_CONFIGURE_LOGGING", "1"),
                         int) != 0
     config_path = given.get("VLLM_LOGGING_CONFIG_PATH")
@@ -232,7 +242,7 @@ def _honoured_settings(given: Mapping[str, str], prefix: str, notes: tuple[str, 
                          "says not to configure logging (as vLLM, triollm refuses both)")
     return VllmEnvironment(
         defaults=defaults, cpu_binding=binding, configure_logging=configure,
-        logging_prefix=prefix,
+        logging_prefix=prefix, log_stats_interval=interval,
         logging_config=_logging_config(config_path) if config_path else None,
         notes=notes, unknown=unknown)
 

@@ -82,7 +82,21 @@ def _in_hub_cache(name: str, revision: str | None, download_dir: str | None) -> 
     return isinstance(found, str)
 
 
+#: (name, revision) the hub already said it has: a second check (the CLI's, then the
+#: engine arguments') asks it once.
+_on_the_hub: set[tuple[str, str | None]] = set()
+
+
 def _ask_hub(name: str, revision: str | None) -> str | None:
+    if (name, revision) in _on_the_hub:
+        return None
+    problem = _ask_hub_once(name, revision)
+    if problem is None:
+        _on_the_hub.add((name, revision))
+    return problem
+
+
+def _ask_hub_once(name: str, revision: str | None) -> str | None:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import (
         GatedRepoError,

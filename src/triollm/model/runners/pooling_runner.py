@@ -30,6 +30,7 @@ from triollm.model.cpu.varlen import VarlenKernel, load_varlen_kernel
 from triollm.model.loader import load_pooling_model
 from triollm.model.pooler import Pooler
 from triollm.model.runners.setup import prepare_for_cpu
+from triollm.model.runners.summary import log_pooling_summary
 from triollm.pooling_params import PoolingParams
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -89,6 +90,8 @@ class PoolingModelRunner:
                     f", {len(pooler_config.dense_layers)} Dense" if pooler_config.dense_layers
                     else "", pooler_config.embedding_size, pooler_config.source)
         self._check_attention()
+        log_pooling_summary(config, self.model, self.task, self.compute_threads,
+                            "C kernel" if self.varlen_kernel is not None else "SDPA")
 
     def _classifier_head(self) -> ClassifierHead:
         model = self.model

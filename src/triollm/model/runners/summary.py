@@ -13,7 +13,7 @@ from triollm.model.cpu.packed_linear import PackedLinear
 from triollm.model.cpu.threads import ComputeThreads
 from triollm.model.runners.batch import DecodeAttention
 
-__all__ = ["attention_name", "log_summary"]
+__all__ = ["attention_name", "log_pooling_summary", "log_summary"]
 
 logger = logging.getLogger("triollm.model.runners")
 
@@ -59,6 +59,21 @@ def log_summary(config: EngineConfig, model: nn.Module, kv_cache: PagedKVCache,
         kv_cache.block_size, cache_bytes / 2**20, config.model.max_model_len,
         config.scheduler.max_num_seqs, thread_text, config.model.optimization_level, mode,
         attention_name(attention), packed)
+
+
+def log_pooling_summary(config: EngineConfig, model: nn.Module, task: str,
+                        threads: ComputeThreads | None, attention: str) -> None:
+    """Log the settings a pooling runner serves with, in one INFO line."""
+    thread_text = ("" if threads is None else
+                   f", {threads.threads} thread{'' if threads.threads == 1 else 's'}"
+                   f"{' (adaptive)' if threads.adaptive else ''}")
+    packed = sum(isinstance(module, PackedLinear) for module in model.modules())
+    logger.info(
+        "engine ready: pooling (%s), dtype %s, no KV cache, max_model_len %d, "
+        "max_num_seqs %d, max_num_batched_tokens %d%s, eager, prompt attention: %s, "
+        "%d linear layers packed", task, _dtype(config.model.dtype),
+        config.model.max_model_len, config.scheduler.max_num_seqs,
+        config.scheduler.max_num_batched_tokens, thread_text, attention, packed)
 
 
 def _dtype(dtype: torch.dtype) -> str:
