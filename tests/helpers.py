@@ -49,3 +49,27 @@ def _peft_greedy(base: str, adapter: str | None, prompts: tuple[tuple[int, ...],
                 ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
             results.append(new)
     return results
+
+
+def transformers_greedy(path: Path, prompts: Sequence[str], max_tokens: int,
+                        stop_at_eos: bool = True) -> list[list[int]]:
+    """Greedy tokens of stock transformers ``generate`` in float32 (eager attention) on
+    each prompt alone; with ``stop_at_eos``, each cut after its first EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from triollm.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(str(path))
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                 dtype=torch.float32)
+    results = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        generated = out[0, ids.shape[1]:].tolist()
+        if stop_at_eos and tokenizer.eos_token_id in generated:
+            generated = generated[: generated.index(tokenizer.eos_token_id) + 1]
+        results.append(generated)
+    return results

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
+from helpers import transformers_greedy
 from triollm import LLM, SamplingParams
 from triollm.testing import TINY_FAMILIES, build_tiny_model
 
@@ -37,21 +36,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 @functools.cache
 def reference(path: Path) -> list[list[int]]:
-    from triollm.model.loader import load_tokenizer
-
-    tokenizer = load_tokenizer(str(path))
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                 dtype=torch.float32)
-    results = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
-        generated = out[0, ids.shape[1]:].tolist()
-        if tokenizer.eos_token_id in generated:
-            generated = generated[: generated.index(tokenizer.eos_token_id) + 1]
-        results.append(generated)
-    return results
+    return transformers_greedy(path, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
+from helpers import transformers_greedy
 from quantized_checkpoints import (
     build_quantized_checkpoint,
     quantization_config,
@@ -102,18 +103,7 @@ DEQUANTIZED = {"gptq-8bit-per_channel-asym-v2", "gptq-8bit-g64-sym-desc_act"}
 
 @functools.cache
 def _reference(path: Path) -> list[list[int]]:
-    from triollm.model.loader import load_tokenizer
-
-    tokenizer = load_tokenizer(str(path))
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                 dtype=torch.float32)
-    results = []
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
-        results.append(out[0, ids.shape[1]:].tolist())
-    return results
+    return transformers_greedy(path, PROMPTS, MAX_TOKENS, stop_at_eos=False)
 
 
 @pytest.mark.parametrize("case", list(END_TO_END))
