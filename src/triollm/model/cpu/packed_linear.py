@@ -1,6 +1,7 @@
 """CPU linear layers over weights pre-packed once: bf16 weights into gemm.py's layout
-where the CPU has AVX512-BF16 (its kernel reads them faster still than oneDNN),
-everything else into oneDNN's blocked layout.
+where the CPU has AVX512-BF16 (its kernel reads them faster still than oneDNN), or
+where it has AVX2 and FMA but oneDNN cannot pack bf16 (gemm_avx2.py's kernel reads the
+same layout), everything else into oneDNN's blocked layout.
 
 A decode step multiplies a few rows by every weight of the model, so on CPU its time
 is the time to read the weights. aten's ``linear`` reads a row-major weight well below
@@ -11,7 +12,9 @@ pass does for compiled CPU models; doing it to the loaded modules gets the same 
 without compiling the model.
 
 Only plain ``nn.Linear`` and GPT-2's ``Conv1D`` are packed, only on CPU, and only a
-weight that no other module shares (a tied LM head keeps its embedding's weight).
+weight that no other module shares: a tied LM head keeps its embedding's weight, as an
+``nn.Linear`` or, where bf16 runs on gemm_avx2.py's kernel, as a ``PackedLinear`` on
+that kernel's unpacked entry point (no second copy; measured in docs/benchmarks.md).
 Each packed layer is checked against the unpacked product before it replaces the
 original; a layer that fails the check, or a torch without the oneDNN ops, keeps the
 plain module.
@@ -48,6 +51,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from triollm.model.cpu.gemm import CpuGemm, load_gemm
+from triollm.model.cpu.gemm_avx2 import Avx2Gemm, load_avx2_gemm
 from triollm.model.ops import define_op
 
 __all__ = [
@@ -70,7 +74,8 @@ logger = logging.getLogger(__name__)
 
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` held packed (gemm.py's layout or
-    oneDNN's).
+    oneDNN's), or, with ``shared`` (a tied LM head's weight, on gemm_avx2.py's kernel),
+    as it is.
 
     The packed tensor is an attribute, not a parameter: in oneDNN's layout it is an
     opaque ``_mkldnn`` tensor that only oneDNN's linear reads; in gemm.py's it is a
@@ -81,11 +86,16 @@ class PackedLinear(nn.Module):
     same model, so compiled code saved by one runs in another."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 weights: PackedWeights | None = None) -> None:
+                 weights: PackedWeights | None = None, shared: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         gemm = _gemm_for(weight)
-        if gemm is not None:  # gemm.py's layout, fp32 bias
+        if shared:
+            if not (isinstance(gemm, Avx2Gemm) and gemm.fits_unpacked(weight)):
+                raise ValueError("only gemm_avx2's kernel reads a shared weight unpacked")
+            self.packed_weight = weight.detach()
+            self.bias = None if bias is None else bias.detach().float()
+        elif gemm is not None:  # gemm.py's layout, fp32 bias
             self.packed_weight = gemm.pack(weight)
             self.bias = None if bias is None else bias.detach().float()
         else:
@@ -108,8 +118,11 @@ class PackedLinear(nn.Module):
 def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
             ) -> torch.Tensor:
     if not packed_weight.is_mkldnn:
-        gemm = load_gemm()
-        assert gemm is not None  # a weight is packed this way only where it loaded
+        gemm = load_gemm() or load_avx2_gemm()
+        assert gemm is not None  # a weight is packed this way only where one loaded
+        if packed_weight.dim() == 2:  # a shared weight, unpacked
+            assert isinstance(gemm, Avx2Gemm)
+            return gemm.unpacked(x, packed_weight, bias)
         return gemm(x, packed_weight, bias)
     in_features = x.shape[-1]
     rows = x.numel() // in_features
@@ -256,7 +269,8 @@ def group_weights_of_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]
         weights = run[0].weights
         if (handles in weights.groups or seen & set(handles)
                 or any(layer.weights is not weights for layer in run)
-                or any(layer.packed_weight.is_mkldnn for layer in run)
+                or any(layer.packed_weight.is_mkldnn or layer.packed_weight.dim() != 4
+                       for layer in run)
                 or len({layer.bias is None for layer in run}) > 1):
             continue
         seen.update(handles)
@@ -340,13 +354,28 @@ def _onednn_supports(dtype: torch.dtype) -> bool:
     return False
 
 
+def _bf16_gemm() -> CpuGemm | None:
+    """The C kernel for bf16 weights: gemm.py's (AVX512-BF16), else, where oneDNN cannot
+    pack bf16, gemm_avx2.py's (AVX2 and FMA); None: oneDNN's (or aten's) linear."""
+    gemm = load_gemm()
+    if gemm is None and not _onednn_supports(torch.bfloat16):
+        return load_avx2_gemm()
+    return gemm
+
+
 def _gemm_for(weight: torch.Tensor) -> CpuGemm | None:
-    """gemm.py's kernel where it takes ``weight`` (bf16, on a CPU with AVX512-BF16);
-    it is not built at all for other dtypes."""
+    """The C kernel where it takes ``weight`` (bf16, see ``_bf16_gemm``); none is built
+    at all for other dtypes."""
     if weight.dtype != torch.bfloat16:
         return None
-    gemm = load_gemm()
+    gemm = _bf16_gemm()
     return gemm if gemm is not None and gemm.fits(weight) else None
+
+
+def _reads_unpacked(weight: torch.Tensor) -> bool:
+    """Whether gemm_avx2.py's kernel is the bf16 one and reads ``weight`` as it is."""
+    gemm = _gemm_for(weight) if weight.device.type == "cpu" else None
+    return isinstance(gemm, Avx2Gemm) and gemm.fits_unpacked(weight)
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -361,11 +390,12 @@ def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     return module.weight.detach(), module.bias
 
 
-def _packed_if_equal(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
+def _packed_if_equal(weight: torch.Tensor, bias: torch.Tensor | None,
+                     shared: bool = False) -> PackedLinear | None:
     """A ``PackedLinear`` (on weights of its own) that gives what ``F.linear`` gives on a
     random input, else None."""
     try:
-        packed = PackedLinear(weight, bias)
+        packed = PackedLinear(weight, bias, shared=shared)
         probe = torch.randn(3, weight.shape[1], dtype=weight.dtype,
                             generator=torch.Generator().manual_seed(0))
         expected = nn.functional.linear(probe, weight, bias).float()
@@ -391,16 +421,22 @@ def pack_linear_layers(model: nn.Module) -> int:
     weights = PackedWeights()
     uses = Counter(id(parameter) for _, parameter in
                    model.named_parameters(remove_duplicate=False))
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) not in (nn.Linear, Conv1D):
                 continue
             weight = child.weight
-            if (weight.device.type != "cpu" or uses[id(weight)] > 1
-                    or not _packable(weight)):
+            shared = uses[id(weight)] > 1
+            if (shared and child is head and type(child) is nn.Linear
+                    and _reads_unpacked(weight)):
+                packed = _packed_if_equal(weight, child.bias, shared=True)
+            elif weight.device.type != "cpu" or shared or not _packable(weight):
                 continue
-            packed = _packed_if_equal(*_weight_and_bias(child))
+            else:
+                packed = _packed_if_equal(*_weight_and_bias(child))
             if packed is not None:
                 weights.adopt(packed)
                 setattr(parent, name, packed)
