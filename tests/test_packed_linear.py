@@ -1,7 +1,8 @@
 """CPU linear layers on packed weights (the AVX512-BF16 kernel for bf16 where the CPU has
-it, the AVX2 one where oneDNN cannot pack bf16, oneDNN otherwise) compute what the original layers compute, leave shared (tied)
-weights alone, and fall back to the original layer when the packed product cannot be
-trusted."""
+it, the AVX2 one where oneDNN cannot pack bf16, oneDNN otherwise) compute what the
+original layers compute, leave shared (tied) weights alone (but for a bf16 LM head on
+the AVX2 kernel, which reads its weight in place), and fall back to the original layer
+when the packed product cannot be trusted."""
 
 from __future__ import annotations
 
