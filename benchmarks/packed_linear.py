@@ -10,9 +10,8 @@ step, 32-64 a busy decode batch, 512 a prefill chunk. Median of ``--repeats`` ti
 of one pass over all layers.
 
 ``--shapes qwen0.5b`` times each of Qwen2.5-0.5B's layer shapes alone instead (q/o,
-k/v, gate/up, down and the tied 151,936-token LM head): aten bf16, aten fp32,
-``PackedLinear`` on bf16 and, where the AVX2 kernel loads, its unpacked entry point
-on the weight as it is (what a tied LM head runs on).
+k/v, gate/up, down and the 151,936-token LM head): aten bf16, aten fp32 and
+``PackedLinear`` on bf16.
 
     python benchmarks/packed_linear.py
     python benchmarks/packed_linear.py --shapes qwen0.5b --rows 1 4 16 64 512
@@ -29,7 +28,7 @@ from torch import nn
 from common import timed
 from triollm.model.cpu.gemm import load_gemm
 from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
-from triollm.model.cpu.packed_linear import PackedLinear, _linear
+from triollm.model.cpu.packed_linear import PackedLinear, _bf16_gemm, _linear
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 768, 2048, 12, 512
 #: Qwen2.5-0.5B's linear layers, ``[out, in]``.
@@ -65,12 +64,12 @@ def _ms(call: functools.partial[object], repeats: int) -> str:
 
 def per_shape(rows_list: list[int], repeats: int) -> None:
     """Each of Qwen2.5-0.5B's layer shapes alone, in ms per call."""
-    avx2 = load_avx2_gemm()
+    kernel = _bf16_gemm()
+    ours_name = ("AVX512-BF16 kernel" if kernel is load_gemm() and kernel else
+                 "AVX2 kernel" if kernel is load_avx2_gemm() and kernel else "oneDNN")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
-          f"{repeats}; AVX512-BF16 kernel {'loaded' if load_gemm() else 'not available'}; "
-          f"AVX2 kernel {'loaded' if avx2 else 'not available'}")
-    print(f"{'layer':>8} {'rows':>5} {'aten bf16':>9} {'aten fp32':>9} {'triollm':>9} "
-          f"{'unpacked':>9}   (ms)")
+          f"{repeats}; bf16 PackedLinear on {ours_name}")
+    print(f"{'layer':>8} {'rows':>5} {'aten bf16':>9} {'aten fp32':>9} {'triollm':>9}   (ms)")
     for name, (out_features, in_features) in QWEN_SHAPES.items():
         weight = torch.randn(out_features, in_features) * in_features ** -0.5
         bf16 = weight.bfloat16()
@@ -81,9 +80,7 @@ def per_shape(rows_list: list[int], repeats: int) -> None:
             aten = _ms(functools.partial(nn.functional.linear, xb, bf16), repeats)
             fp32 = _ms(functools.partial(nn.functional.linear, x, weight), repeats)
             ours = _ms(functools.partial(packed, xb), repeats)
-            unpacked = (_ms(functools.partial(avx2.unpacked, xb, bf16, None), repeats)
-                        if avx2 is not None else f"{'-':>9}")
-            print(f"{name:>8} {rows:5d} {aten} {fp32} {ours} {unpacked}", flush=True)
+            print(f"{name:>8} {rows:5d} {aten} {fp32} {ours}", flush=True)
         del packed
 
 

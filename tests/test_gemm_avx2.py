@@ -1,8 +1,7 @@
-"""The AVX2 bf16 GEMM (model/cpu/gemm_avx2.py): over the packed layout and over an
-unpacked weight it gives the fp32 product to bf16 rounding for any shape it takes
-(partial row tiles, one row, many rows, bias), the same bits on helper threads as on
-OpenMP, and it is what bf16 layers and a tied LM head run on where neither the
-AVX512-BF16 kernel nor oneDNN's bf16 packing is there."""
+"""The AVX2 bf16 GEMM (model/cpu/gemm_avx2.py) gives the fp32 product to bf16 rounding
+for any shape it takes (partial row tiles, one row, many rows, bias), the same bits on
+helper threads as on OpenMP, and it is what bf16 layers and a tied LM head (on a packed
+copy) run on where neither the AVX512-BF16 kernel nor oneDNN's bf16 packing is there."""
 
 from __future__ import annotations
 
@@ -17,11 +16,12 @@ from transformers import AutoModelForCausalLM
 
 from triollm.model.cpu import helpers as cpu_helpers
 from triollm.model.cpu import packed_linear
-from triollm.model.cpu.gemm_avx2 import Avx2Gemm, load_avx2_gemm
+from triollm.model.cpu.gemm import CpuGemm
+from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
 from triollm.model.cpu.packed_linear import PackedLinear, pack_linear_layers
 
 
-def _gemm() -> Avx2Gemm:
+def _gemm() -> CpuGemm:
     gemm = load_avx2_gemm()
     if gemm is None:
         pytest.skip("no AVX2 and FMA on this CPU")
@@ -52,25 +52,6 @@ def test_the_packed_product_is_the_fp32_one_to_bf16_rounding(
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * scale)
 
 
-@settings(max_examples=60, deadline=None)
-@given(rows=st.integers(0, 20), quads=st.integers(1, 12), octets=st.integers(1, 20),
-       with_bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_the_unpacked_product_is_the_fp32_one_to_bf16_rounding(
-        rows: int, quads: int, octets: int, with_bias: bool, seed: int) -> None:
-    """Over the row-major weight a tied LM head shares: partial tiles of 3 rows, any
-    multiple of 4 outputs and 8 inputs."""
-    gemm = _gemm()
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(4 * quads, 8 * octets, generator=generator).bfloat16()
-    bias = torch.randn(4 * quads, generator=generator) if with_bias else None
-    x = torch.randn(1, rows, 8 * octets, generator=generator).bfloat16()
-    assert gemm.fits_unpacked(weight)
-    got = gemm.unpacked(x, weight, bias)
-    assert got.shape == (1, rows, 4 * quads)
-    expected, scale = _expected(x, weight, bias)
-    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * scale)
-
-
 def test_rounding_is_to_nearest_even_once_and_keeps_nan_and_infinity() -> None:
     """x = [value, 0] by weight rows [1, 0] plus a bias: the output is the fp32 sum
     ``value + bias`` rounded to bf16 (halfway cases to even), as torch rounds it."""
@@ -89,24 +70,18 @@ def test_rounding_is_to_nearest_even_once_and_keeps_nan_and_infinity() -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 40), blocks=st.integers(1, 9), pairs=st.integers(1, 70),
-       unpacked=st.booleans(), count=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
-def test_helpers_give_the_bits_of_openmp(rows: int, blocks: int, pairs: int,
-                                         unpacked: bool, count: int, seed: int) -> None:
+       count=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+def test_helpers_give_the_bits_of_openmp(rows: int, blocks: int, pairs: int, count: int,
+                                         seed: int) -> None:
     gemm = _gemm()
     generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(16 * blocks, 8 * pairs, generator=generator).bfloat16()
+    packed = gemm.pack(torch.randn(16 * blocks, 2 * pairs, generator=generator).bfloat16())
     bias = torch.randn(16 * blocks, generator=generator)
-    x = torch.randn(rows, 8 * pairs, generator=generator).bfloat16()
-
-    def run() -> torch.Tensor:
-        if unpacked:
-            return gemm.unpacked(x, weight, bias)
-        return gemm(x, gemm.pack(weight), bias)
-
-    expected = run()
+    x = torch.randn(rows, 2 * pairs, generator=generator).bfloat16()
+    expected = gemm(x, packed, bias)
     cpu_helpers.set_spare_threads(count)
     try:
-        got = run()
+        got = gemm(x, packed, bias)
     finally:
         cpu_helpers.set_spare_threads(0)
     assert torch.equal(got, expected)
@@ -130,9 +105,9 @@ def test_bf16_layers_run_on_it_where_nothing_else_packs_bf16(
 
 
 @pytest.mark.parametrize("family", ["opt", "gpt2"])
-def test_a_tied_bf16_lm_head_reads_the_embedding_weight_in_place(
+def test_a_tied_bf16_lm_head_runs_on_a_packed_copy(
         family: str, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """No second copy of the vocabulary matrix, and the logits of the plain model."""
+    """The embedding keeps its weight; the head gives the plain model's logits."""
     _as_an_avx2_only_cpu(monkeypatch)
     plain = AutoModelForCausalLM.from_pretrained(tiny_models[family],
                                                  dtype=torch.bfloat16).eval()
@@ -142,8 +117,9 @@ def test_a_tied_bf16_lm_head_reads_the_embedding_weight_in_place(
     assert model.get_output_embeddings().weight is embedding
     pack_linear_layers(model)
     head = model.get_output_embeddings()
-    assert isinstance(head, PackedLinear)
-    assert head.packed_weight.data_ptr() == embedding.data_ptr()
+    assert isinstance(head, PackedLinear) and not head.packed_weight.is_mkldnn
+    assert model.get_input_embeddings().weight is embedding
+    assert head.packed_weight.data_ptr() != embedding.data_ptr()
     ids = torch.randint(4, 500, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want = plain(ids).logits.float()

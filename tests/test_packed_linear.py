@@ -1,7 +1,7 @@
 """CPU linear layers on packed weights (the AVX512-BF16 kernel for bf16 where the CPU has
 it, the AVX2 one where oneDNN cannot pack bf16, oneDNN otherwise) compute what the
 original layers compute, leave shared (tied) weights alone (but for a bf16 LM head on
-the AVX2 kernel, which reads its weight in place), and fall back to the original layer
+the AVX2 kernel, which runs on a packed copy), and fall back to the original layer
 when the packed product cannot be trusted."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _avx2_runs_bf16() -> bool:
 
 def _packable(model: nn.Module) -> list[str]:
     """Names of the layers that may be packed: plain linears whose weight no other
-    module uses, and a tied bf16 LM head where the AVX2 kernel reads it unpacked."""
+    module uses, and a tied bf16 LM head where the AVX2 kernel runs bf16."""
     uses: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
         uses[id(parameter)] = uses.get(id(parameter), 0) + 1

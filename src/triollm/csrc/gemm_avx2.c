@@ -201,111 +201,6 @@ void triollm_gemm_avx2_bf16_pooled(const uint16_t* x, const uint16_t* packed,
     triollm_pool_run(&job->base, helpers);
 }
 
-/* The same product over an unpacked [n, k] weight (a tied LM head's, which is its
-   embedding's): dot products of weight rows with input rows, a tile of 4 outputs by up
-   to 3 rows in 12 sums, summed across their lanes once at the end. k % 8 == 0 and
-   n % 4 == 0 (model/cpu/gemm_avx2.py checks). */
-#define DOT_ROWS 3
-
-static inline __attribute__((always_inline)) void dot_tile(
-    const float* xf, const uint16_t* w, uint16_t* y, const float* bias, int64_t m0,
-    const int rows, int64_t n, int64_t k, int64_t o0, pool_job* job, int64_t unit)
-{
-    __m256 sums[4][DOT_ROWS];
-    for (int o = 0; o < 4; o++)
-        for (int r = 0; r < rows; r++) sums[o][r] = _mm256_setzero_ps();
-    const uint16_t* wr = w + o0 * k;
-    const float* xr = xf + m0 * k;
-    for (int64_t i = 0; i < k; i += 8) {
-        __m256 wv[4];
-        for (int o = 0; o < 4; o++) {
-            const __m128i raw = _mm_loadu_si128((const __m128i*)(wr + o * k + i));
-            if ((i & 31) == 0)  /* once a 64-byte line */
-                _mm_prefetch((const char*)(wr + o * k + i) + 1024, _MM_HINT_T0);
-            wv[o] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-        }
-        for (int r = 0; r < rows; r++) {
-            const __m256 x = _mm256_loadu_ps(xr + r * k + i);
-            for (int o = 0; o < 4; o++) sums[o][r] = _mm256_fmadd_ps(wv[o], x, sums[o][r]);
-        }
-    }
-    if (job && !pool_commit(job, unit)) return;
-    for (int r = 0; r < rows; r++) {
-        /* the 4 outputs' sums across lanes: [o0..o3 low lanes | o0..o3 high lanes] */
-        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(sums[0][r], sums[1][r]),
-                                        _mm256_hadd_ps(sums[2][r], sums[3][r]));
-        __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-        if (bias) four = _mm_add_ps(four, _mm_loadu_ps(bias + o0));
-        const __m256i lanes = to_bf16_lanes(_mm256_set_m128(four, four));
-        _mm_storel_epi64((__m128i*)(y + (m0 + r) * n + o0),
-                         _mm256_castsi256_si128(_mm256_packus_epi32(lanes, lanes)));
-    }
-}
-
-static inline void dot_unit(const float* xf, const uint16_t* w, const float* bias,
-                            uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t u,
-                            int64_t c, pool_job* job, int64_t unit)
-{
-    const int64_t m0 = c * DOT_ROWS;
-    const int rows = m - m0 < DOT_ROWS ? (int)(m - m0) : DOT_ROWS;
-    switch (rows) {
-    case 1: dot_tile(xf, w, y, bias, m0, 1, n, k, 4 * u, job, unit); break;
-    case 2: dot_tile(xf, w, y, bias, m0, 2, n, k, 4 * u, job, unit); break;
-    default: dot_tile(xf, w, y, bias, m0, DOT_ROWS, n, k, 4 * u, job, unit); break;
-    }
-}
-
-/* y[m, n] = x[m, k] @ W^T (+ bias), bf16 in and out; W plain row-major [n, k]. */
-void triollm_gemm_avx2_bf16_unpacked(const uint16_t* x, const uint16_t* w,
-                                     const float* bias, uint16_t* y, int64_t m,
-                                     int64_t n, int64_t k, int threads)
-{
-    float stack[STACK_FLOATS];
-    float* xf = m * k <= STACK_FLOATS ? stack
-                                      : (float*)malloc((size_t)(m * k) * sizeof(float));
-    if (xf == NULL) abort();  /* a few MiB of rows: the process is out of memory */
-    widen(x, xf, m * k);
-    const int64_t units = n / 4, chunks = (m + DOT_ROWS - 1) / DOT_ROWS;
-    #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-    for (int64_t u = 0; u < units; u++)
-        for (int64_t c = 0; c < chunks; c++)
-            dot_unit(xf, w, bias, y, m, n, k, u, c, NULL, 0);
-    if (xf != stack) free(xf);
-}
-
-static void dot_job_unit(pool_job* base, int64_t unit, int helper) {
-    const gemm_job* job = (const gemm_job*)base;
-    dot_unit(job->xf, job->packed, job->bias, job->y, job->m, job->n, job->k,
-             unit / job->chunks, unit % job->chunks, helper ? base : NULL, unit);
-}
-
-/* triollm_gemm_avx2_bf16_unpacked on the calling thread and up to `helpers` helpers. */
-void triollm_gemm_avx2_bf16_unpacked_pooled(const uint16_t* x, const uint16_t* w,
-                                            const float* bias, uint16_t* y, int64_t m,
-                                            int64_t n, int64_t k, int helpers)
-{
-    const int64_t chunks = (m + DOT_ROWS - 1) / DOT_ROWS, units = n / 4 * chunks;
-    const size_t head = (sizeof(gemm_job) + (size_t)units + 63) & ~(size_t)63;
-    gemm_job* job = (gemm_job*)malloc(head + (size_t)(m * k) * sizeof(float));
-    if (job == NULL) {
-        triollm_gemm_avx2_bf16_unpacked(x, w, bias, y, m, n, k, 1);
-        return;
-    }
-    job->base.run = dot_job_unit;
-    job->base.units = units;
-    job->base.state = (_Atomic unsigned char*)(job + 1);
-    float* copy = (float*)((char*)job + head);
-    widen(x, copy, m * k);
-    job->xf = copy;
-    job->packed = w;
-    job->bias = bias;
-    job->y = y;
-    job->m = m;
-    job->n = n;
-    job->k = k;
-    job->chunks = chunks;
-    triollm_pool_run(&job->base, helpers);
-}
 #else
 /* Stubs with the same signatures, never called (triollm_gemm_avx2_supported says so). */
 #pragma GCC diagnostic push
@@ -316,11 +211,5 @@ void triollm_gemm_avx2_bf16(const uint16_t* x, const uint16_t* packed, const flo
 void triollm_gemm_avx2_bf16_pooled(const uint16_t* x, const uint16_t* packed,
                                    const float* bias, uint16_t* y, int64_t m, int64_t n,
                                    int64_t k, int helpers) {}
-void triollm_gemm_avx2_bf16_unpacked(const uint16_t* x, const uint16_t* w,
-                                     const float* bias, uint16_t* y, int64_t m,
-                                     int64_t n, int64_t k, int threads) {}
-void triollm_gemm_avx2_bf16_unpacked_pooled(const uint16_t* x, const uint16_t* w,
-                                            const float* bias, uint16_t* y, int64_t m,
-                                            int64_t n, int64_t k, int helpers) {}
 #pragma GCC diagnostic pop
 #endif

@@ -12,9 +12,9 @@ pass does for compiled CPU models; doing it to the loaded modules gets the same 
 without compiling the model.
 
 Only plain ``nn.Linear`` and GPT-2's ``Conv1D`` are packed, only on CPU, and only a
-weight that no other module shares: a tied LM head keeps its embedding's weight, as an
-``nn.Linear`` or, where bf16 runs on gemm_avx2.py's kernel, as a ``PackedLinear`` on
-that kernel's unpacked entry point (no second copy; measured in docs/benchmarks.md).
+weight that no other module shares: a tied LM head keeps its embedding's weight as an
+``nn.Linear``, except where bf16 runs on gemm_avx2.py's kernel, where it runs on a
+packed copy (its size again in memory, logged; measured in docs/benchmarks.md).
 Each packed layer is checked against the unpacked product before it replaces the
 original; a layer that fails the check, or a torch without the oneDNN ops, keeps the
 plain module.
@@ -51,7 +51,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from triollm.model.cpu.gemm import CpuGemm, load_gemm
-from triollm.model.cpu.gemm_avx2 import Avx2Gemm, load_avx2_gemm
+from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
 from triollm.model.ops import define_op
 
 __all__ = [
@@ -74,8 +74,7 @@ logger = logging.getLogger(__name__)
 
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` held packed (gemm.py's layout or
-    oneDNN's), or, with ``shared`` (a tied LM head's weight, on gemm_avx2.py's kernel),
-    as it is.
+    oneDNN's).
 
     The packed tensor is an attribute, not a parameter: in oneDNN's layout it is an
     opaque ``_mkldnn`` tensor that only oneDNN's linear reads; in gemm.py's it is a
@@ -86,16 +85,11 @@ class PackedLinear(nn.Module):
     same model, so compiled code saved by one runs in another."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 weights: PackedWeights | None = None, shared: bool = False) -> None:
+                 weights: PackedWeights | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         gemm = _gemm_for(weight)
-        if shared:
-            if not (isinstance(gemm, Avx2Gemm) and gemm.fits_unpacked(weight)):
-                raise ValueError("only gemm_avx2's kernel reads a shared weight unpacked")
-            self.packed_weight = weight.detach()
-            self.bias = None if bias is None else bias.detach().float()
-        elif gemm is not None:  # gemm.py's layout, fp32 bias
+        if gemm is not None:  # gemm.py's layout, fp32 bias
             self.packed_weight = gemm.pack(weight)
             self.bias = None if bias is None else bias.detach().float()
         else:
@@ -120,9 +114,6 @@ def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | N
     if not packed_weight.is_mkldnn:
         gemm = load_gemm() or load_avx2_gemm()
         assert gemm is not None  # a weight is packed this way only where one loaded
-        if packed_weight.dim() == 2:  # a shared weight, unpacked
-            assert isinstance(gemm, Avx2Gemm)
-            return gemm.unpacked(x, packed_weight, bias)
         return gemm(x, packed_weight, bias)
     in_features = x.shape[-1]
     rows = x.numel() // in_features
@@ -269,8 +260,7 @@ def group_weights_of_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]
         weights = run[0].weights
         if (handles in weights.groups or seen & set(handles)
                 or any(layer.weights is not weights for layer in run)
-                or any(layer.packed_weight.is_mkldnn or layer.packed_weight.dim() != 4
-                       for layer in run)
+                or any(layer.packed_weight.is_mkldnn for layer in run)
                 or len({layer.bias is None for layer in run}) > 1):
             continue
         seen.update(handles)
@@ -372,10 +362,13 @@ def _gemm_for(weight: torch.Tensor) -> CpuGemm | None:
     return gemm if gemm is not None and gemm.fits(weight) else None
 
 
-def _reads_unpacked(weight: torch.Tensor) -> bool:
-    """Whether gemm_avx2.py's kernel is the bf16 one and reads ``weight`` as it is."""
-    gemm = _gemm_for(weight) if weight.device.type == "cpu" else None
-    return isinstance(gemm, Avx2Gemm) and gemm.fits_unpacked(weight)
+def _copies_tied_head(head: nn.Module) -> bool:
+    """Whether a tied LM head gets a packed copy of its weight: where it would otherwise
+    run aten's bf16 linear, as gemm_avx2.py's kernel is the bf16 one (a copy there ran
+    1.3-2.7x faster than that kernel over the weight as it is, docs/benchmarks.md)."""
+    weight = head.weight
+    return (type(head) is nn.Linear and weight.device.type == "cpu"
+            and _gemm_for(weight) is not None and load_gemm() is None)
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -390,12 +383,11 @@ def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     return module.weight.detach(), module.bias
 
 
-def _packed_if_equal(weight: torch.Tensor, bias: torch.Tensor | None,
-                     shared: bool = False) -> PackedLinear | None:
+def _packed_if_equal(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
     """A ``PackedLinear`` (on weights of its own) that gives what ``F.linear`` gives on a
     random input, else None."""
     try:
-        packed = PackedLinear(weight, bias, shared=shared)
+        packed = PackedLinear(weight, bias)
         probe = torch.randn(3, weight.shape[1], dtype=weight.dtype,
                             generator=torch.Generator().manual_seed(0))
         expected = nn.functional.linear(probe, weight, bias).float()
@@ -430,13 +422,13 @@ def pack_linear_layers(model: nn.Module) -> int:
                 continue
             weight = child.weight
             shared = uses[id(weight)] > 1
-            if (shared and child is head and type(child) is nn.Linear
-                    and _reads_unpacked(weight)):
-                packed = _packed_if_equal(weight, child.bias, shared=True)
-            elif weight.device.type != "cpu" or shared or not _packable(weight):
+            if (weight.device.type != "cpu" or not _packable(weight)
+                    or (shared and not (child is head and _copies_tied_head(child)))):
                 continue
-            else:
-                packed = _packed_if_equal(*_weight_and_bias(child))
+            packed = _packed_if_equal(*_weight_and_bias(child))
+            if packed is not None and shared:
+                logger.info("the tied LM head runs on a packed copy of its weight: "
+                            "%.1f MiB more memory", weight.nbytes / 2**20)
             if packed is not None:
                 weights.adopt(packed)
                 setattr(parent, name, packed)
