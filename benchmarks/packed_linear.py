@@ -1,14 +1,20 @@
 """Linear layers alone, on the same weights: aten's ``linear`` on the loaded weights,
 oneDNN's linear on weights packed once into its layout, and ``PackedLinear`` as the
 engine builds it (``triollm.model.cpu.packed_linear``: for bf16 on a CPU with AVX512-BF16 the
-kernel of ``triollm.model.cpu.gemm``, else oneDNN, so the last two columns then agree).
+kernel of ``triollm.model.cpu.gemm``, with AVX2 alone where oneDNN cannot pack bf16 that
+of ``triollm.model.cpu.gemm_avx2``, else oneDNN, so the last two columns then agree).
 
 Every linear layer of the benchmarks' Llama (12 layers, hidden 768, the serving
 benchmark's 512-token vocabulary), ``M`` rows of input each: ``M=1`` is a lone decode
 step, 32-64 a busy decode batch, 512 a prefill chunk. Median of ``--repeats`` timings
 of one pass over all layers.
 
+``--shapes qwen0.5b`` times each of Qwen2.5-0.5B's layer shapes alone instead (q/o,
+k/v, gate/up, down and the 151,936-token LM head): aten bf16, aten fp32 and
+``PackedLinear`` on bf16.
+
     python benchmarks/packed_linear.py
+    python benchmarks/packed_linear.py --shapes qwen0.5b --rows 1 4 16 64 512
 """
 
 from __future__ import annotations
@@ -21,9 +27,13 @@ from torch import nn
 
 from common import timed
 from triollm.model.cpu.gemm import load_gemm
-from triollm.model.cpu.packed_linear import PackedLinear, _linear
+from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
+from triollm.model.cpu.packed_linear import PackedLinear, _bf16_gemm, _linear
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 768, 2048, 12, 512
+#: Qwen2.5-0.5B's linear layers, ``[out, in]``.
+QWEN_SHAPES = {"q/o": (896, 896), "k/v": (128, 896), "gate/up": (4864, 896),
+               "down": (896, 4864), "lm head": (151936, 896)}
 
 
 def model_weights(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -48,15 +58,45 @@ def run_packed(layers: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> N
         layer(inputs[layer.in_features])
 
 
+def _ms(call: functools.partial[object], repeats: int) -> str:
+    return f"{1000 * timed(call, repeats):9.2f}"
+
+
+def per_shape(rows_list: list[int], repeats: int) -> None:
+    """Each of Qwen2.5-0.5B's layer shapes alone, in ms per call."""
+    kernel = _bf16_gemm()
+    ours_name = ("AVX512-BF16 kernel" if kernel is load_gemm() and kernel else
+                 "AVX2 kernel" if kernel is load_avx2_gemm() and kernel else "oneDNN")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
+          f"{repeats}; bf16 PackedLinear on {ours_name}")
+    print(f"{'layer':>8} {'rows':>5} {'aten bf16':>9} {'aten fp32':>9} {'triollm':>9}   (ms)")
+    for name, (out_features, in_features) in QWEN_SHAPES.items():
+        weight = torch.randn(out_features, in_features) * in_features ** -0.5
+        bf16 = weight.bfloat16()
+        packed = PackedLinear(bf16, None)
+        for rows in rows_list:
+            x = torch.randn(rows, in_features)
+            xb = x.bfloat16()
+            aten = _ms(functools.partial(nn.functional.linear, xb, bf16), repeats)
+            fp32 = _ms(functools.partial(nn.functional.linear, x, weight), repeats)
+            ours = _ms(functools.partial(packed, xb), repeats)
+            print(f"{name:>8} {rows:5d} {aten} {fp32} {ours}", flush=True)
+        del packed
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", choices=["llama", "qwen0.5b"], default="llama")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 512])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.shapes == "qwen0.5b":
+        per_shape(args.rows, args.repeats)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; all "
           f"{LAYERS * 7 + 1} linears of the benchmarks' Llama; median of {args.repeats}; "
           f"AVX512-BF16 kernel {'loaded' if load_gemm() else 'not available'}")

@@ -16,7 +16,6 @@ from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import LLM, SamplingParams
 from triollm.engine import args as engine_args
 from triollm.model.cpu import packed_linear
-from triollm.model.cpu.gemm import load_gemm
 from triollm.model.runners import compile as runner_compile
 from triollm.testing import TINY_FAMILIES, build_tiny_model
 
@@ -138,8 +137,9 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
         llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiled bf16 Llama multiplies q, k and v in one call and gate and up in
     another, over weights stored once, and gives what it gives without the grouping."""
-    if load_gemm() is None:
-        pytest.skip("layers are grouped on model/cpu/gemm.py's layout only (AVX512-BF16)")
+    if packed_linear.load_gemm() is None:
+        pytest.skip("layers are grouped on model/cpu/gemm.py's layout only (AVX512-BF16); "
+                    "two compiles: too slow for the suite where the AVX2 kernel runs")
     calls: list[int] = []
     linear = packed_linear._linear
 
@@ -185,8 +185,9 @@ def _graph_of_calls(inputs: list[int], handles: list[int]) -> torch.fx.Graph:
 
 
 def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> None:
-    if load_gemm() is None:
-        pytest.skip("layers are grouped on model/cpu/gemm.py's layout only (AVX512-BF16)")
+    if packed_linear._bf16_gemm() is None:
+        pytest.skip("layers are grouped on model/cpu/gemm.py's layout only (AVX512-BF16, "
+                    "or AVX2 where oneDNN cannot pack bf16)")
     layers = [packed_linear.PackedLinear(torch.randn(16, 8).bfloat16(), None)
               for _ in range(3)]
     weights = packed_linear.PackedWeights()

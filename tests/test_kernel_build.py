@@ -20,6 +20,7 @@ import pytest
 from triollm.model.cpu import build as native_build
 from triollm.model.cpu import decode as cpu_decode
 from triollm.model.cpu import gemm as cpu_gemm
+from triollm.model.cpu import gemm_avx2 as cpu_gemm_avx2
 from triollm.model.cpu import varlen as cpu_varlen
 
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
@@ -59,8 +60,8 @@ def _failing_compiler(tmp_path: Path) -> Path:
 
 
 def _claim_every_instruction(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As on a CPU with AVX-512 and AVX512-BF16, which builds every kernel."""
-    flags = native_build.cpu_flags() | {"avx512f", "avx512_bf16"}
+    """As on a CPU with AVX-512, AVX512-BF16, AVX2 and FMA, which builds every kernel."""
+    flags = native_build.cpu_flags() | {"avx512f", "avx512_bf16", "avx2", "fma"}
     monkeypatch.setattr(native_build, "cpu_flags", lambda: flags)
 
 
@@ -68,12 +69,13 @@ def test_a_cpu_without_a_kernels_instructions_does_not_build_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Not an error, even in strict mode with a compiler that fails: there is nothing
     this CPU could run."""
-    flags = native_build.cpu_flags() - {"avx512f", "avx512_bf16"} | {"sse2"}
+    flags = native_build.cpu_flags() - {"avx512f", "avx512_bf16", "fma"} | {"sse2"}
     monkeypatch.setattr(native_build, "cpu_flags", lambda: flags)
     monkeypatch.setenv("TRIOLLM_STRICT_KERNELS", "1")
     monkeypatch.setenv("TRIOLLM_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(_failing_compiler(tmp_path)))
-    for load in (cpu_gemm.load_gemm, cpu_varlen.load_varlen_kernel):
+    for load in (cpu_gemm.load_gemm, cpu_gemm_avx2.load_avx2_gemm,
+                 cpu_varlen.load_varlen_kernel):
         load.cache_clear()
         try:
             assert load() is None
@@ -83,8 +85,9 @@ def test_a_cpu_without_a_kernels_instructions_does_not_build_it(
 
 
 @pytest.mark.parametrize("load", [cpu_decode.load_kernel, cpu_gemm.load_gemm,
+                                  cpu_gemm_avx2.load_avx2_gemm,
                                   cpu_varlen.load_varlen_kernel],
-                         ids=["decode", "gemm", "varlen"])
+                         ids=["decode", "gemm", "gemm_avx2", "varlen"])
 def test_a_kernel_that_fails_to_build_is_an_error_in_strict_mode(
         load: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU that has what each kernel needs."""
@@ -186,7 +189,8 @@ def test_the_build_step_reports_every_kernel(capsys: pytest.CaptureFixture[str])
     lines = capsys.readouterr().out.splitlines()
     assert sorted(line.partition(":")[0] for line in lines) == sorted(native_build.KERNELS)
     flags = native_build.cpu_flags()
-    runs = {"decode": True, "gemm": "avx512_bf16" in flags, "varlen": "avx512f" in flags}
+    runs = {"decode": True, "gemm": "avx512_bf16" in flags,
+            "gemm_avx2": {"avx2", "fma"} <= flags, "varlen": "avx512f" in flags}
     for line in lines:
         stem, _, said = line.partition(": ")
         assert said.startswith("built" if runs[stem] else "skipped, this CPU lacks"), line

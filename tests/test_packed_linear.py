@@ -1,7 +1,8 @@
 """CPU linear layers on packed weights (the AVX512-BF16 kernel for bf16 where the CPU has
-it, oneDNN otherwise) compute what the original layers compute, leave shared (tied)
-weights alone, and fall back to the original layer when the packed product cannot be
-trusted."""
+it, the AVX2 one where oneDNN cannot pack bf16, oneDNN otherwise) compute what the
+original layers compute, leave shared (tied) weights alone (but for a bf16 LM head on
+the AVX2 kernel, which runs on a packed copy), and fall back to the original layer
+when the packed product cannot be trusted."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from triollm import LLM
 from triollm.model.cpu import build as native_build
 from triollm.model.cpu import packed_linear
 from triollm.model.cpu.gemm import load_gemm
+from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
 from triollm.model.cpu.packed_linear import PackedLinear, pack_linear_layers, padded_rows
 from triollm.testing import TINY_FAMILIES
 
@@ -33,14 +35,25 @@ def _onednn_packs_bf16() -> bool:
     return packed_linear._onednn_supports(torch.bfloat16)
 
 
+def _avx2_runs_bf16() -> bool:
+    """Whether bf16 layers run on the AVX2 kernel here: it loads, and neither the
+    AVX512-BF16 kernel nor oneDNN's bf16 packing is there."""
+    return (packed_linear.load_gemm() is None and not _onednn_packs_bf16()
+            and load_avx2_gemm() is not None)
+
+
 def _packable(model: nn.Module) -> list[str]:
     """Names of the layers that may be packed: plain linears whose weight no other
-    module uses."""
+    module uses, and a tied bf16 LM head where the AVX2 kernel runs bf16."""
     uses: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
         uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    head = model.get_output_embeddings()
+    tied_head = (type(head) is nn.Linear and head.weight.dtype == torch.bfloat16
+                 and _avx2_runs_bf16())
     return [name for name, module in model.named_modules()
-            if type(module) in (nn.Linear, Conv1D) and uses[id(module.weight)] == 1]
+            if type(module) in (nn.Linear, Conv1D)
+            and (uses[id(module.weight)] == 1 or (module is head and tied_head))]
 
 
 @pytest.mark.parametrize("onednn_only", [False, True], ids=["as-here", "no-avx512-bf16"])
@@ -54,8 +67,8 @@ def test_packed_model_gives_the_same_logits(family: str, dtype: torch.dtype,
     if onednn_only:
         monkeypatch.setattr(packed_linear, "load_gemm", lambda: None)
     if dtype == torch.bfloat16 and not _onednn_packs_bf16() and (
-            onednn_only or load_gemm() is None):
-        pytest.skip("neither AVX512-BF16 nor oneDNN's bf16 packing on this CPU")
+            onednn_only or load_gemm() is None) and load_avx2_gemm() is None:
+        pytest.skip("neither AVX512-BF16, AVX2 nor oneDNN's bf16 packing on this CPU")
     plain = _load(tiny_models[family], dtype)
     packed = _load(tiny_models[family], dtype)
     expected_names = _packable(packed)
@@ -64,7 +77,7 @@ def test_packed_model_gives_the_same_logits(family: str, dtype: torch.dtype,
     assert pack_linear_layers(packed) == len(expected_names)
     modules = dict(packed.named_modules())
     assert all(isinstance(modules[name], PackedLinear) for name in expected_names)
-    if onednn_only:
+    if onednn_only and (dtype == torch.float32 or _onednn_packs_bf16()):
         assert all(modules[name].packed_weight.is_mkldnn for name in expected_names)
 
     ids = torch.randint(4, 500, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -77,9 +90,10 @@ def test_packed_model_gives_the_same_logits(family: str, dtype: torch.dtype,
 
 def test_bf16_layers_stay_on_aten_where_nothing_packs_them(
         tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a CPU with neither AVX512-BF16 nor oneDNN's bf16 packing (AVX2 alone), a bf16
-    model keeps its layers as they are instead of failing to load."""
+    """On a CPU with neither AVX512-BF16, AVX2 nor oneDNN's bf16 packing, a bf16 model
+    keeps its layers as they are instead of failing to load."""
     monkeypatch.setattr(packed_linear, "load_gemm", lambda: None)
+    monkeypatch.setattr(packed_linear, "load_avx2_gemm", lambda: None)
     monkeypatch.setattr(packed_linear, "_onednn_supports",
                         lambda dtype: dtype == torch.float32)
     model = _load(tiny_models["llama"], torch.bfloat16)
@@ -91,8 +105,9 @@ def test_bf16_layers_stay_on_aten_where_nothing_packs_them(
 def test_any_row_count_gives_the_plain_product(dtype: torch.dtype) -> None:
     """Rows padded up to a cached size are computed and dropped: every row count, in
     the batch shapes the runner uses, gives F.linear's result and shape."""
-    if dtype == torch.bfloat16 and not _onednn_packs_bf16() and load_gemm() is None:
-        pytest.skip("neither AVX512-BF16 nor oneDNN's bf16 packing on this CPU")
+    if (dtype == torch.bfloat16 and not _onednn_packs_bf16() and load_gemm() is None
+            and load_avx2_gemm() is None):
+        pytest.skip("neither AVX512-BF16, AVX2 nor oneDNN's bf16 packing on this CPU")
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 40, dtype=dtype, generator=generator)
     bias = torch.randn(48, dtype=dtype, generator=generator)

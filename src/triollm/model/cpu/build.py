@@ -72,7 +72,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-Wall", "-Wex
 class KernelSource:
     """A kernel library: ``csrc/<stem>.c``, whether it links the helper pool, and the C
     function (if any) that returns 0 where this CPU lacks what it needs (``needs``, the
-    /proc/cpuinfo flag ``cpu_flag``: a CPU known to lack it does not build it at all)."""
+    /proc/cpuinfo flags ``cpu_flag``, space-separated: a CPU known to lack one does not
+    build it at all)."""
 
     stem: str
     pooled: bool
@@ -85,6 +86,9 @@ KERNELS = {
     "decode": KernelSource("decode", pooled=True),
     "gemm": KernelSource("gemm", pooled=True, supported="triollm_gemm_supported",
                          needs="AVX512-BF16", cpu_flag="avx512_bf16"),
+    "gemm_avx2": KernelSource("gemm_avx2", pooled=True,
+                              supported="triollm_gemm_avx2_supported", needs="AVX2 and FMA",
+                              cpu_flag="avx2 fma"),
     "varlen": KernelSource("varlen", pooled=False, supported="triollm_varlen_supported",
                            needs="AVX-512", cpu_flag="avx512f"),
 }
@@ -288,7 +292,7 @@ def load_checked(stem: str, what: str, wrap: Callable[[ctypes.CDLL], Kernel],
     nothing."""
     source = KERNELS[stem]
     known = cpu_flags()
-    if source.cpu_flag and known and source.cpu_flag not in known:
+    if known and any(flag not in known for flag in source.cpu_flag.split()):
         return None
     library = load_library(stem, what, fallback)
     supported = source.supported

@@ -31,9 +31,11 @@ __all__ = ["CpuGemm", "load_gemm"]
 class CpuGemm:
     """bf16 ``x @ weight.T + bias`` over a weight packed by ``pack``."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, name: str = "triollm_gemm_bf16") -> None:
+        """``name``: the C entry point (gemm.c's, or gemm_avx2.c's over the same
+        layout)."""
         self._function = PooledFunction(
-            library, "triollm_gemm_bf16",
+            library, name,
             [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int], None)
 
     @staticmethod

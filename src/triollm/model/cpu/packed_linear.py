@@ -1,6 +1,7 @@
 """CPU linear layers over weights pre-packed once: bf16 weights into gemm.py's layout
-where the CPU has AVX512-BF16 (its kernel reads them faster still than oneDNN),
-everything else into oneDNN's blocked layout.
+where the CPU has AVX512-BF16 (its kernel reads them faster still than oneDNN), or
+where it has AVX2 and FMA but oneDNN cannot pack bf16 (gemm_avx2.py's kernel reads the
+same layout), everything else into oneDNN's blocked layout.
 
 A decode step multiplies a few rows by every weight of the model, so on CPU its time
 is the time to read the weights. aten's ``linear`` reads a row-major weight well below
@@ -11,7 +12,9 @@ pass does for compiled CPU models; doing it to the loaded modules gets the same 
 without compiling the model.
 
 Only plain ``nn.Linear`` and GPT-2's ``Conv1D`` are packed, only on CPU, and only a
-weight that no other module shares (a tied LM head keeps its embedding's weight).
+weight that no other module shares: a tied LM head keeps its embedding's weight as an
+``nn.Linear``, except where bf16 runs on gemm_avx2.py's kernel, where it runs on a
+packed copy (its size again in memory, logged; measured in docs/benchmarks.md).
 Each packed layer is checked against the unpacked product before it replaces the
 original; a layer that fails the check, or a torch without the oneDNN ops, keeps the
 plain module.
@@ -48,6 +51,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from triollm.model.cpu.gemm import CpuGemm, load_gemm
+from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
 from triollm.model.ops import define_op
 
 __all__ = [
@@ -108,8 +112,8 @@ class PackedLinear(nn.Module):
 def _linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
             ) -> torch.Tensor:
     if not packed_weight.is_mkldnn:
-        gemm = load_gemm()
-        assert gemm is not None  # a weight is packed this way only where it loaded
+        gemm = load_gemm() or load_avx2_gemm()
+        assert gemm is not None  # a weight is packed this way only where one loaded
         return gemm(x, packed_weight, bias)
     in_features = x.shape[-1]
     rows = x.numel() // in_features
@@ -340,13 +344,31 @@ def _onednn_supports(dtype: torch.dtype) -> bool:
     return False
 
 
+def _bf16_gemm() -> CpuGemm | None:
+    """The C kernel for bf16 weights: gemm.py's (AVX512-BF16), else, where oneDNN cannot
+    pack bf16, gemm_avx2.py's (AVX2 and FMA); None: oneDNN's (or aten's) linear."""
+    gemm = load_gemm()
+    if gemm is None and not _onednn_supports(torch.bfloat16):
+        return load_avx2_gemm()
+    return gemm
+
+
 def _gemm_for(weight: torch.Tensor) -> CpuGemm | None:
-    """gemm.py's kernel where it takes ``weight`` (bf16, on a CPU with AVX512-BF16);
-    it is not built at all for other dtypes."""
+    """The C kernel where it takes ``weight`` (bf16, see ``_bf16_gemm``); none is built
+    at all for other dtypes."""
     if weight.dtype != torch.bfloat16:
         return None
-    gemm = load_gemm()
+    gemm = _bf16_gemm()
     return gemm if gemm is not None and gemm.fits(weight) else None
+
+
+def _copies_tied_head(head: nn.Module) -> bool:
+    """Whether a tied LM head gets a packed copy of its weight: where it would otherwise
+    run aten's bf16 linear, as gemm_avx2.py's kernel is the bf16 one (a copy there ran
+    1.3-2.7x faster than that kernel over the weight as it is, docs/benchmarks.md)."""
+    weight = head.weight
+    return (type(head) is nn.Linear and weight.device.type == "cpu"
+            and _gemm_for(weight) is not None and load_gemm() is None)
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -391,16 +413,22 @@ def pack_linear_layers(model: nn.Module) -> int:
     weights = PackedWeights()
     uses = Counter(id(parameter) for _, parameter in
                    model.named_parameters(remove_duplicate=False))
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) not in (nn.Linear, Conv1D):
                 continue
             weight = child.weight
-            if (weight.device.type != "cpu" or uses[id(weight)] > 1
-                    or not _packable(weight)):
+            shared = uses[id(weight)] > 1
+            if (weight.device.type != "cpu" or not _packable(weight)
+                    or (shared and not (child is head and _copies_tied_head(child)))):
                 continue
             packed = _packed_if_equal(*_weight_and_bias(child))
+            if packed is not None and shared:
+                logger.info("the tied LM head runs on a packed copy of its weight: "
+                            "%.1f MiB more memory", weight.nbytes / 2**20)
             if packed is not None:
                 weights.adopt(packed)
                 setattr(parent, name, packed)
