@@ -73,7 +73,7 @@ def test_engine_args_resolve_the_config_and_turn_async_scheduling_off() -> None:
                         speculative_config=NGRAM).create_engine_config()
     assert config.speculative is not None and config.speculative.num_speculative_tokens == 3
     assert not config.scheduler.async_scheduling
-    with pytest.raises(ValueError, match="speculative_config.method"):
+    with pytest.raises(ValueError, match=r"speculative_config\.method"):
         EngineArgs(model="triollm/tiny-demo", device="cpu",
                    speculative_config={"method": "draft_model"}).create_engine_config()
     with pytest.raises(ValueError, match="async_scheduling"):

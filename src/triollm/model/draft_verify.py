@@ -37,8 +37,8 @@ def continue_drafts(logits: torch.Tensor, drafts: list[int], row: SamplingRow,
             if tokens[j] != draft:
                 return tokens[:j + 1], logprobs[:j + 1]
         return tokens, logprobs
-    tokens: list[int] = []
-    logprobs: list[TokenLogprobs | None] = []
+    tokens = []
+    logprobs = []
     for j in range(logits.shape[0]):
         [token], [token_lp] = sample(logits[j:j + 1], [row], generator)
         tokens.append(token)

@@ -50,8 +50,8 @@ class NgramIndex:
         if k < 1:
             return []
         for n in range(min(high, length), low - 1, -1):
-            end = last.get(tuple(tokens[length - n:]))
-            if end is not None:
-                period = length - 1 - end
-                return [tokens[end + 1 + i % period] for i in range(k)]
+            found = last.get(tuple(tokens[length - n:]))
+            if found is not None:
+                period = length - 1 - found
+                return [tokens[found + 1 + i % period] for i in range(k)]
         return []

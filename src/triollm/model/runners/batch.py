@@ -3,8 +3,9 @@
 Single-token queries (decodes) come first, then prefill chunks, with positions
 restarting per sequence, a slot in the paged cache for every token, and
 ``logits_to_keep`` so the LM head only runs where a token is sampled (after every
-position of a request with draft tokens) or a prompt log-probability is wanted. Decodes are grouped by block-table width so that a group
-pads little (``decode_spans``).
+position of a request with draft tokens) or a prompt log-probability is wanted.
+Decodes are grouped by block-table width so that a group pads little
+(``decode_spans``).
 """
 
 from __future__ import annotations
