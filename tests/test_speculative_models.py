@@ -88,13 +88,19 @@ def test_stop_strings_and_max_tokens_cut_inside_an_accepted_run(
             plain.outputs[0].text, plain.outputs[0].token_ids, plain.outputs[0].finish_reason)
 
 
-def test_seeded_sampling_draws_the_same_tokens_as_without_speculation(
+def test_seeded_sampling_draws_the_same_tokens_as_without_speculation_n_too(
         llama_llm: LLM, spec_llm: LLM) -> None:
     params = [SamplingParams(temperature=0.7, top_p=0.9, seed=seed, max_tokens=30,
-                             ignore_eos=True) for seed in range(4)]
+                             ignore_eos=True, n=1 + seed % 2) for seed in range(4)]
     prompts = token_prompts([PROMPTS[0]] * 4)
-    assert tokens_of(spec_llm.generate(prompts, params)) == tokens_of(
+
+    def samples(outputs: list[RequestOutput]) -> list[list[list[int]]]:
+        return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+    before = accepted(spec_llm)
+    assert samples(spec_llm.generate(prompts, params)) == samples(
         llama_llm.generate(prompts, params))
+    assert accepted(spec_llm) > before
 
 
 def test_requests_the_verifier_cannot_reproduce_do_not_speculate(
