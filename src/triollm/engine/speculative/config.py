@@ -17,10 +17,11 @@ _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_look
            "disable_by_batch_size")
 #: vLLM's default n-gram size when neither bound is given.
 _DEFAULT_LOOKUP = 5
-#: Rows that the 0.5B model's linear layers take in about the time of one on this
-#: machine's CPU (1-6 rows cost 0.93-1.16x one row, 8 rows 1.58x, 16 rows 2.65x:
-#: docs/benchmarks.md, "Speculative decoding"). A step speculates while its running
-#: requests' rows, each 1 + num_speculative_tokens, stay within this many.
+#: Rows that the 0.5B model's bf16 linear layers take in little more than the time of
+#: one on the reference machine's CPU (AVX512-BF16: 1-6 rows cost 0.93-1.16x one row,
+#: 8 rows 1.58x, 16 rows 2.65x; docs/serving.md, "Speculative decoding"). A step
+#: speculates while its running requests' rows, each 1 + num_speculative_tokens, stay
+#: within this many.
 ROWS_AT_ONE_ROW_COST = 8
 
 
