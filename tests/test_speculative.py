@@ -304,3 +304,18 @@ def test_the_stats_line_gives_the_acceptance_since_the_previous_line(
     assert "Draft acceptance rate: 50.0%, Mean acceptance length: 2.50" in lines[0]
     assert "Draft acceptance rate: 0.0%, Mean acceptance length: 1.00" in lines[1]
     assert "acceptance" not in lines[2]
+
+
+def test_the_cli_flag_reaches_the_engine_and_older_flags_point_to_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from triollm.cli import build_parser, engine_args_from_namespace, normalize_argv
+
+    def parse(*argv: str) -> Any:
+        return build_parser().parse_args(normalize_argv(["serve", "m", *argv]))
+
+    engine = engine_args_from_namespace(parse("--speculative-config", json.dumps(NGRAM)))
+    assert engine.speculative_config == json.dumps(NGRAM)
+    assert parse().speculative_config is None
+    with pytest.raises(SystemExit):
+        parse("--num-speculative-tokens", "3")
+    assert "--speculative-config" in capsys.readouterr().err
