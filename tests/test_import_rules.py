@@ -102,6 +102,7 @@ EVENT_LOOPS = ("anyio", "trio", "asyncio", "sniffio")
     "triollm.lora.request", "triollm.request_ids", "triollm.engine.request_registry",
     "triollm.engine.lora_registry", "triollm.engine.stats_collector", "triollm.engine.intake",
     "triollm.engine.step_budget", "triollm.engine.stop_strings",
+    "triollm.engine.speculative.ngram", "triollm.engine.speculative.speculator",
     "triollm.server.tokenizer_process", "triollm.structured_output",
     "triollm.structured_output.params", "triollm.structured_output.grammar",
     "triollm.structured_output.reasoning_gate", "triollm.structured_output.backend",

@@ -33,6 +33,7 @@ __all__ = [
     "RunnerKind",
     "SchedulerConfig",
     "SchedulingPolicy",
+    "SpeculativeConfig",
     "StructuredOutputsConfig",
 ]
 
@@ -210,6 +211,23 @@ class StructuredOutputsConfig:
     enable_in_reasoning: bool = False
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config``, method ``ngram`` (prompt lookup): each decode
+    proposes the tokens that followed the latest earlier occurrence of its sequence's
+    last ``prompt_lookup_max`` ... ``prompt_lookup_min`` tokens, and one forward
+    verifies them (docs/serving.md, "Speculative decoding")."""
+
+    method: str
+    #: The most draft tokens proposed per request and step.
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    #: A step speculates only while at most this many requests run (older vLLM's
+    #: ``speculative_disable_by_batch_size``).
+    disable_by_batch_size: int
+
+
 #: vLLM's older name for the same settings (``get_decoding_config()``).
 DecodingConfig = StructuredOutputsConfig
 
@@ -223,6 +241,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    #: None unless ``speculative_config`` is given.
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,10 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                                  'disable_additional_properties, reasoning_parser, '
                                  'enable_in_reasoning',
     "guided_decoding_backend": "older vLLM's backend flag: NAME[:no-fallback,...]",
+    "speculative_config": 'speculative decoding as JSON: method ngram (prompt lookup), '
+                          'num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, '
+                          'disable_by_batch_size (e.g. \'{"method": "ngram", '
+                          '"num_speculative_tokens": 3}\')',
     "pooler_config": 'overrides of the model\'s pooling as JSON: pooling_type (MEAN, CLS, '
                      'LAST), use_activation (normalize), dimensions '
                      '(e.g. \'{"pooling_type": "MEAN"}\')',

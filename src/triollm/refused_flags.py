@@ -29,7 +29,8 @@ _KERNELS = "vLLM's kernel, CUDA-graph and compilation settings have no counterpa
 _TRACING = ("NVTX and trace-replay tracing are not supported (OpenTelemetry is: "
             "--otlp-traces-endpoint)")
 _METRICS = "this metric is not implemented"
-_SPEC = "speculative decoding is not supported"
+_SPEC = ("pass speculative decoding as --speculative-config JSON (method ngram only: no "
+         "draft models)")
 _OFFLOAD = "weight and KV-cache offloading are not supported"
 _DISAGG = "disaggregated serving (KV, encoder-cache and weight transfer) is not supported"
 _MAMBA = "triollm serves attention-only transformers models (no Mamba or hybrid caches)"
@@ -192,8 +193,7 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
     **_values(_NOT_IMPLEMENTED + ": thinking budgets are not supported", "--reasoning-config"),
     **_values(_NOT_IMPLEMENTED + ': tool calls under tool_choice "auto" are parsed, not '
               "constrained", "--tool-strict-level"),
-    **_values(_SPEC, "--speculative-config", "--spec-method", "--spec-model",
-              "--spec-tokens"),
+    **_values(_SPEC, "--spec-method", "--spec-model", "--spec-tokens"),
     **_values(_OFFLOAD, "--cpu-offload-gb", neutral=("0",)),
     **_values(_OFFLOAD, "--kv-offloading-backend", "--kv-offloading-size",
               "--offload-backend", "--offload-group-size", "--offload-num-in-group",

@@ -32,7 +32,9 @@ class ScheduledRequest:
     """One request's share of a step: compute ``token_ids`` at positions
     ``start_position ...``; if ``sample``, a token is sampled after the last of them
     (for a pooling request, whose whole prompt comes in one step: the prompt is
-    pooled)."""
+    pooled). With ``num_draft_tokens`` (speculative decoding), the last that many of
+    ``token_ids`` are drafts: a token is sampled after each position from the first
+    up to the first draft that differs from it (``RunnerOutput.more_token_ids``)."""
 
     request_id: str
     token_ids: list[int]
@@ -47,6 +49,8 @@ class ScheduledRequest:
     lora_request: LoRARequest | None = None
     #: The compiled constraint the sampled tokens must follow (None: unconstrained).
     structured_output: StructuredOutputRequest | None = None
+    #: Draft tokens ending ``token_ids``, to verify (0: none).
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +119,11 @@ class RunnerOutput:
     #: One token for every scheduled request whose ``sample`` flag was set.
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    #: For a request verified with draft tokens: the tokens after its sampled one, in
+    #: order (its accepted drafts, then the target's own token), and their logprobs.
+    #: So ``len(more_token_ids[id])`` of its drafts were accepted.
+    more_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     #: For requests that asked for prompt logprobs: one entry per prompt position whose
     #: next prompt token was scored in this step, in order (the chosen token is that
     #: next prompt token).

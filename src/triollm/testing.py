@@ -110,11 +110,23 @@ class FakeModelRunner:
                     _fake_logprobs(prompt[position + 1], position + 1)
                     for position in range(item.start_position, last)]
             if item.sample:
-                position = item.start_position + item.num_tokens - 1
-                token = fake_next_token(item.token_ids[-1], position, self.vocab_size)
-                output.sampled_token_ids[item.request_id] = token
+                # Drafts are verified greedily: accepted while they are the prediction.
+                k = item.num_draft_tokens
+                position = item.start_position + item.num_tokens - 1 - k
+                tokens = [fake_next_token(item.token_ids[-1 - k], position, self.vocab_size)]
+                for draft in item.token_ids[len(item.token_ids) - k:]:
+                    if draft != tokens[-1]:
+                        break
+                    tokens.append(fake_next_token(draft, position + len(tokens),
+                                                  self.vocab_size))
+                output.sampled_token_ids[item.request_id] = tokens[0]
+                if k:
+                    output.more_token_ids[item.request_id] = tokens[1:]
                 if item.sampling.logprobs is not None:
-                    output.logprobs[item.request_id] = _fake_logprobs(token, position + 1)
+                    lps = [_fake_logprobs(t, position + 1 + j) for j, t in enumerate(tokens)]
+                    output.logprobs[item.request_id] = lps[0]
+                    if k:
+                        output.more_logprobs[item.request_id] = lps[1:]
         return output
 
     def shutdown(self) -> None:

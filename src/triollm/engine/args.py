@@ -35,6 +35,7 @@ from triollm.engine.resolve import (
     resolve_runner,
     structured_outputs_config,
 )
+from triollm.engine.speculative.config import speculative_config
 from triollm.model.quantization.methods import (
     DEFAULT_GROUP_SIZE,
     ON_THE_FLY_BITS,
@@ -144,6 +145,10 @@ class EngineArgs:
     quantization: str | None = None
     #: ``int4``'s input columns per group (-1: per channel); triollm's own flag.
     quantization_group_size: int = DEFAULT_GROUP_SIZE
+    #: Speculative decoding, as vLLM's dict or its JSON: ``method`` ``ngram`` (prompt
+    #: lookup), ``num_speculative_tokens``, ``prompt_lookup_min``/``max``,
+    #: ``disable_by_batch_size`` (engine/speculative/config.py).
+    speculative_config: dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
@@ -232,12 +237,16 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_space_gb=self.kv_cache_space_gb,
         )
+        speculative = speculative_config(
+            self.speculative_config, async_scheduling=bool(self.async_scheduling),
+            runner=runner)
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
             async_scheduling=(runner == "generate" and device.type == "cuda"
+                              and speculative is None
                               if self.async_scheduling is None else self.async_scheduling),
             policy=next(p for p in POLICIES if p == self.scheduling_policy),
             max_loras=self.max_loras if self.enable_lora else None,
@@ -251,7 +260,7 @@ class EngineArgs:
                                 device=device, dtype=dtype),
                             observability=observability_config(
                                 self.otlp_traces_endpoint, self.collect_detailed_traces),
-                            structured_outputs=structured)
+                            structured_outputs=structured, speculative=speculative)
 
     def _quantization(self, device: torch.device) -> QuantizationConfig | None:
         if self.quantization is None:

@@ -104,6 +104,7 @@ class AsyncEngineAPI:
             grammar_cache_misses=grammars.misses,
             compiled_forward=bool(getattr(core.runner, "compiled", False)),
             compiling=bool(getattr(core.runner, "compiling", False)),
+            spec_decoding=stats.spec_decoding,
         )
 
     def _record_stats(self) -> None:

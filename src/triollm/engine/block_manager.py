@@ -122,6 +122,20 @@ class BlockManager:
             if self._ref_counts[block] == 0:
                 self._free[block] = None
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past those ``num_tokens`` tokens need (a speculative
+        step's rejected positions). Their contents were never computed tokens, so no
+        freed block is hashed."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            block = table.pop()
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+
     def _take_free(self) -> int:
         block, _ = self._free.popitem(last=False)
         prefix_hash = self._block_hash.pop(block, None)

@@ -30,6 +30,7 @@ from triollm.engine.output_processor import OutputProcessor, ParentRequest
 from triollm.engine.request import Request, RequestStatus
 from triollm.engine.request_registry import RequestRegistry
 from triollm.engine.scheduler import Scheduler, SchedulerStatistics
+from triollm.engine.speculative.speculator import Speculator
 from triollm.engine.stats import IterationStats
 from triollm.engine.stats_collector import StatsCollector
 from triollm.lora.request import LoRARequest
@@ -68,7 +69,10 @@ class EngineCore:
         self.block_manager = BlockManager(
             runner.num_kv_blocks, config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager,
+            None if config.speculative is None
+            else Speculator(config.speculative, config.model.max_model_len))
         self.output_processor = OutputProcessor(
             tokenizer, eos_token_ids=_eos_token_ids(config, tokenizer),
             max_model_len=config.model.max_model_len)
@@ -252,7 +256,7 @@ class EngineCore:
                 runner_output: RunnerOutput) -> list[EngineOutput]:
         """Apply a finished step: advance computed tokens, append the sampled tokens,
         detect stops, free what finished and build the outputs."""
-        self.scheduler.update_computed_tokens(scheduler_output)
+        self.scheduler.update_computed_tokens(scheduler_output, runner_output)
         now = self.clock()
         # The time a step costs its users is the time between consecutive steps' tokens:
         # the model forward and the engine's own work on both sides of it (scheduling,
@@ -327,17 +331,29 @@ class EngineCore:
         token = runner_output.sampled_token_ids.get(item.request_id)
         if token is None:
             return False, None
-        request.append_output_token(token)
+        tokens = [token]
+        token_lps = [runner_output.logprobs.get(item.request_id)]
+        if item.num_draft_tokens:  # speculative: the step's further tokens
+            tokens += runner_output.more_token_ids.get(item.request_id, [])
+            token_lps += runner_output.more_logprobs.get(item.request_id, [])
+        status = None
+        count = 0
+        # Each token as if it came alone: a stop ends the run there.
+        for token, token_lp in zip(tokens, token_lps + [None] * len(tokens), strict=False):
+            request.append_output_token(token)
+            count += 1
+            if token_lp is not None:
+                self.output_processor.append_logprobs(request, token_lp)
+            status = self.output_processor.check_stop(request, token)
+            if status is not None:
+                break
         metrics = request.metrics
         if self.stats.enabled:
-            self.stats.token(request, now)
+            self.stats.token(request, now, count)
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
-        token_lp = runner_output.logprobs.get(item.request_id)
-        if token_lp is not None:
-            self.output_processor.append_logprobs(request, token_lp)
-        return True, self.output_processor.check_stop(request, token)
+        return True, status
 
     def _finish_pooled(self, request: Request, now: float) -> None:
         request.metrics.first_token_time = request.metrics.last_token_time = now

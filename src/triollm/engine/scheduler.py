@@ -26,6 +26,10 @@ one that a stop token or string ends wastes that one token's work, which is disc
 Preemption only happens with nothing in flight: where it would be needed, the scheduler
 schedules nothing more until the steps in flight are applied, then preempts as usual.
 
+Speculative decoding (``speculator``): a decode may carry draft tokens, budgeted and
+given KV slots like any token. Once verified, only its accepted drafts count as
+computed: the rejected positions' blocks are freed, and never hashed.
+
 No torch, no event loop.
 """
 
@@ -38,9 +42,10 @@ from typing import TYPE_CHECKING
 
 from triollm.engine.block_manager import BlockManager
 from triollm.engine.request import Request, RequestStatus
+from triollm.engine.speculative.speculator import SpecDecodingStatistics, Speculator
 from triollm.engine.step_budget import SLO_HEADROOM, StepBudget
 from triollm.engine.step_time import StepShape, StepTimeModel, attention_pairs
-from triollm.step import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
+from triollm.step import PENDING_TOKEN, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from triollm.config import SchedulerConfig
@@ -57,12 +62,16 @@ class SchedulerStatistics:
     num_preemptions: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    #: Speculative decoding's counters (None: it is off).
+    spec_decoding: SpecDecodingStatistics | None = None
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 speculator: Speculator | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.speculator = speculator
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
@@ -110,6 +119,8 @@ class Scheduler:
                 continue
             request.status = status
             self.block_manager.free(request_id)
+            if self.speculator is not None:
+                self.speculator.forget(request_id)
             self._finished_since_last_step.append(request_id)
             removed.append(request)
         if removed:
@@ -171,11 +182,19 @@ class Scheduler:
                     continue
                 # Cannot happen for a running request; guards an endless loop.
                 raise RuntimeError(f"{request!r} is running with nothing to compute")
-            num_new = budget.grant(request, start, wanted)
+            drafts = (self.speculator.propose(request, len(self.running))
+                      if self.speculator is not None and wanted == 1 and flight is None
+                      else [])
+            num_new = budget.grant(request, start, wanted + len(drafts))
             if num_new == 0:  # no time left for it in this step; it waits one step
                 index += 1
                 continue
+            del drafts[max(0, num_new - wanted):]
             allocated = self.block_manager.allocate(request.request_id, start + num_new)
+            if not allocated and drafts:  # drafts never cost a preemption
+                num_new -= len(drafts)
+                drafts.clear()
+                allocated = self.block_manager.allocate(request.request_id, start + num_new)
             while not allocated and not ahead:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -186,7 +205,7 @@ class Scheduler:
             if not allocated:
                 self._must_drain = ahead
                 break
-            scheduled.append(self._schedule(request, start, num_new, total))
+            scheduled.append(self._schedule(request, start, num_new, total, drafts))
             budget.take(request, start, num_new)
             index += 1
 
@@ -311,14 +330,18 @@ class Scheduler:
         self.step_time_model.observe(
             StepShape(output.num_batched_tokens, len(output.scheduled), attention), seconds)
 
-    def _schedule(self, request: Request, start: int, num_new: int,
-                  total: int) -> ScheduledRequest:
+    def _schedule(self, request: Request, start: int, num_new: int, total: int,
+                  drafts: list[int] | None = None) -> ScheduledRequest:
         """``num_new`` tokens of ``request`` from position ``start``, of ``total`` (its
-        tokens with those sampled in flight), recorded as in flight."""
-        end = start + num_new
+        tokens with those sampled in flight), recorded as in flight; ``drafts`` end
+        them."""
+        num_drafts = len(drafts) if drafts else 0
+        end = start + num_new - num_drafts
         token_ids = request.all_token_ids[start:end]
         if end > request.num_tokens:  # tokens the steps in flight sample
             token_ids.extend([PENDING_TOKEN] * (end - max(start, request.num_tokens)))
+        if drafts:
+            token_ids.extend(drafts)
         sample = end == total
         flight = self._in_flight.get(request.request_id)
         if flight is None:
@@ -337,6 +360,7 @@ class Scheduler:
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
             structured_output=request.structured_output,
+            num_draft_tokens=num_drafts,
         )
 
     def _detach(self, request: Request) -> None:
@@ -371,16 +395,27 @@ class Scheduler:
                 if flight[0] <= 0:
                     del self._in_flight[item.request_id]
 
-    def update_computed_tokens(self, output: SchedulerOutput) -> None:
+    def update_computed_tokens(self, output: SchedulerOutput,
+                               runner_output: RunnerOutput | None = None) -> None:
         """After a step ran (the oldest in flight): the scheduled tokens now have their
-        KV in the cache."""
+        KV in the cache, less the drafts ``runner_output`` rejected, whose blocks go."""
         self._land(output)
         for item in output.scheduled:
             request = self._queued.get(item.request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
-                request.num_computed_tokens += item.num_tokens
+                token_ids, computed = request.all_token_ids, item.num_tokens
+                if item.num_draft_tokens and self.speculator is not None:
+                    accepted = self.speculator.observe(item, runner_output)
+                    computed -= item.num_draft_tokens - accepted
+                    # The accepted drafts are appended to the request after this.
+                    token_ids = token_ids + item.token_ids[-item.num_draft_tokens:][:accepted]
+                request.num_computed_tokens += computed
+                if item.num_draft_tokens:
+                    # Keep a slot for the token this step sampled last.
+                    self.block_manager.truncate(request.request_id,
+                                                request.num_computed_tokens + 1)
                 self.block_manager.cache_full_blocks(
-                    request.request_id, request.all_token_ids, request.num_computed_tokens,
+                    request.request_id, token_ids, request.num_computed_tokens,
                     salt=request.cache_salt, adapter=request.adapter_key)
 
     def statistics(self) -> SchedulerStatistics:
@@ -394,4 +429,5 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
+            spec_decoding=None if self.speculator is None else self.speculator.statistics(),
         )

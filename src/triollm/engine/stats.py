@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from triollm.engine.speculative.speculator import SpecDecodingStatistics
+
 __all__ = ["EngineStatistics", "FinishedParentStats", "FinishedRequestStats", "IterationStats",
            "LoggingStatLogger", "StatLogger", "StatLoggers", "stat_logger_list"]
 
@@ -141,6 +143,8 @@ class EngineStatistics:
     #: compiling it in the background (the first step after that switches to it).
     compiled_forward: bool = False
     compiling: bool = False
+    #: Speculative decoding's counters since start (None: it is off).
+    spec_decoding: SpecDecodingStatistics | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -168,6 +172,7 @@ class LoggingStatLogger:
         self._generation_tokens = 0
         self._last_preemptions = 0
         self._last_throughputs = (0.0, 0.0)
+        self._last_spec = SpecDecodingStatistics()
 
     def record(self, stats: IterationStats) -> None:
         self._prompt_tokens += stats.num_prompt_tokens
@@ -196,5 +201,14 @@ class LoggingStatLogger:
         if statistics.prefix_cache_queries:
             parts.append("Prefix cache hit rate: %.1f%%")
             values.append(100 * statistics.prefix_cache_hits / statistics.prefix_cache_queries)
+        spec = statistics.spec_decoding
+        if spec is not None and spec.num_drafts > self._last_spec.num_drafts:
+            drafts = spec.num_drafts - self._last_spec.num_drafts
+            drafted = spec.num_draft_tokens - self._last_spec.num_draft_tokens
+            accepted = spec.num_accepted_tokens - self._last_spec.num_accepted_tokens
+            # vLLM's figures: the mean acceptance length counts the step's own token.
+            parts += ["Draft acceptance rate: %.1f%%", "Mean acceptance length: %.2f"]
+            values += [100 * accepted / drafted if drafted else 0.0, 1 + accepted / drafts]
+            self._last_spec = spec
         self.logger.log(logging.DEBUG if idle else logging.INFO,
                         "Engine 000: " + ", ".join(parts), *values)

@@ -55,12 +55,13 @@ class StatsCollector:
             if execute is not None:
                 metrics.model_execute_time = (metrics.model_execute_time or 0.0) + execute
 
-    def token(self, request: Request, now: float) -> None:
-        """A sampled token, before the request's metrics take it."""
+    def token(self, request: Request, now: float, count: int = 1) -> None:
+        """A step's sampled tokens (``count``: several where drafts were accepted), before
+        the request's metrics take them; one inter-token latency per step, as vLLM."""
         if not self.enabled:
             return
         stats, metrics = self._stats, request.metrics
-        stats.num_generation_tokens += 1
+        stats.num_generation_tokens += count
         if metrics.first_token_time is None:
             stats.num_prompt_tokens += request.num_prompt_tokens
             stats.time_to_first_token.append(now - metrics.arrival_time)

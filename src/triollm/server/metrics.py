@@ -3,8 +3,9 @@ Grafana dashboard reads a triollm server unchanged.
 
 Counters and histograms are fed by the engine after every step (``StatLogger``); the
 gauges (running, waiting, KV-cache usage) and the engine's own running totals
-(preemptions, prefix-cache queries and hits, compiled-grammar cache hits and misses)
-are read from ``engine.statistics()`` when ``/metrics`` is scraped. Every series is
+(preemptions, prefix-cache queries and hits, compiled-grammar cache hits and misses,
+speculative decoding's drafts and accepted tokens) are read from
+``engine.statistics()`` when ``/metrics`` is scraped. Every series is
 labelled ``model_name`` and ``engine`` ("0": one engine per server), as vLLM labels
 them. Metrics vLLM does not have carry a ``triollm:`` prefix. Each server has its own
 registry, so several can live in one process (tests do).
@@ -159,6 +160,24 @@ class _EngineState(Collector):
                                           labels=["model_name", "engine"])
             counter.add_metric(self.labels, float(count))
             yield counter
+        spec = stats.spec_decoding
+        if spec is None:
+            return
+        for name, documentation, count in (
+            ("num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+            ("num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+            ("num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+        ):
+            counter = CounterMetricFamily(f"vllm:spec_decode_{name}", documentation,
+                                          labels=["model_name", "engine"])
+            counter.add_metric(self.labels, float(count))
+            yield counter
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.",
+                                      labels=["model_name", "engine", "position"])
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric([*self.labels, str(position)], float(count))
+        yield per_pos
 
 
 class PrometheusStatLogger:

@@ -2,9 +2,10 @@
 
 Single-token queries (decodes) come first, then prefill chunks, with positions
 restarting per sequence, a slot in the paged cache for every token, and
-``logits_to_keep`` so the LM head only runs where a token is sampled or a prompt
-log-probability is wanted. Decodes are grouped by block-table width so that a group
-pads little (``decode_spans``).
+``logits_to_keep`` so the LM head only runs where a token is sampled (after every
+position of a request with draft tokens) or a prompt log-probability is wanted.
+Decodes are grouped by block-table width so that a group pads little
+(``decode_spans``).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def prepare_batch(items: list[ScheduledRequest], kv_cache: PagedKVCache,
         span = range(start, start + count)
         positions.extend(span)
         slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
-        if item.wants_prompt_logprobs:
+        if item.wants_prompt_logprobs or item.num_draft_tokens:
             keep.extend(range(query_start, query_start + count))
             keep_owner.extend([index] * count)
         elif item.sample:

@@ -26,6 +26,7 @@ from triollm.model.attention.paged import ATTENTION_NAME
 from triollm.model.cpu.decode import load_kernel
 from triollm.model.cpu.helpers import drain_pools
 from triollm.model.cpu.threads import ComputeThreads
+from triollm.model.draft_verify import continue_drafts
 from triollm.model.loader import load_model
 from triollm.model.lora.manager import LoRAManager
 from triollm.model.runners.background_compile import BackgroundCompile
@@ -316,7 +317,10 @@ class TorchModelRunner:
                 )
                 for i in sample_items
             ]
-            row_index = torch.tensor([last_row[i] for i in sample_items], device=logits.device)
+            # A request with drafts samples after its first position here, then the
+            # drafts are verified (_verify_drafts).
+            row_index = torch.tensor([first_row[i] if items[i].num_draft_tokens else last_row[i]
+                                      for i in sample_items], device=logits.device)
             grammar_mask = masks.wait()
             for row, mask_error in masks.errors.items():
                 output.failed[items[sample_items[row]].request_id] = mask_error
@@ -336,6 +340,9 @@ class TorchModelRunner:
                 output.sampled_token_ids[request_id] = token
                 if token_lp is not None:
                     output.logprobs[request_id] = token_lp
+                if items[i].num_draft_tokens:
+                    self._verify_drafts(items[i], logits[first_row[i] + 1:last_row[i] + 1],
+                                        rows[sample_items.index(i)], output)
 
         for i, item in enumerate(items):
             if item.wants_prompt_logprobs and item.request_id not in output.failed:
@@ -345,6 +352,23 @@ class TorchModelRunner:
                 except Exception as error:
                     output.failed[item.request_id] = f"prompt logprobs: {error!r}"
         return output
+
+    def _verify_drafts(self, item: ScheduledRequest, logits: torch.Tensor, row: SamplingRow,
+                       output: RunnerOutput) -> None:
+        """Past a request's first draft, where its sampled token equalled it
+        (model/draft_verify.py)."""
+        request_id = item.request_id
+        drafts = item.token_ids[-item.num_draft_tokens:]
+        if output.sampled_token_ids[request_id] != drafts[0]:
+            return
+        try:
+            tokens, logprobs = continue_drafts(logits, drafts[1:], row, self.generator)
+        except Exception as error:
+            output.failed[request_id] = f"verifying draft tokens: {error!r}"
+            return
+        self._requests[request_id].output_token_ids.extend(tokens)
+        output.more_token_ids[request_id] = tokens
+        output.more_logprobs[request_id] = [lp for lp in logprobs if lp is not None]
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow],
                      sample_items: list[int], items: list[ScheduledRequest],

@@ -1,0 +1,194 @@
+"""N-gram speculative decoding against plain decoding: decode tokens/s at batch 1 and 4
+on a grounded workload (prompt lookup finds matches) and on one without matches, with
+and without ``--speculative-config``, in one run.
+
+The model has Qwen2.5-0.5B's shape with random bf16 weights (benchmarks/quantization.py
+builds it). Random weights summarise nothing, so the workloads are made from the
+model's own behaviour, once, in a first process:
+
+- candidates: 12 prompts of 32 random tokens, each continued greedily for 64 tokens;
+- grounded: the 4 candidates whose continuation prompt lookup predicts best (the model
+  has fallen into a loop). The prompt is the candidate and its 64 tokens, so the text
+  the model goes on writing repeats what the prompt holds, as in summarising or
+  editing a given text;
+- no match: the 4 candidates whose continuation it predicts worst, the prompt alone.
+
+Each configuration then runs in a process of its own: load (and compile, at
+``--optimization-level``), warm up, then for each workload and batch ``b``: ``b``
+prompts generating ``--decode-tokens`` (greedy, ignore_eos) minus the same prompts
+generating one token, over the tokens decoded after the first. Reported: tokens/s, the
+speed-up, the draft acceptance rate, and how many cores the rest of the machine kept
+busy meanwhile (over a tenth of a core marks the figure contaminated).
+
+    python benchmarks/speculative.py
+    python benchmarks/speculative.py --num-speculative-tokens 5 --optimization-level 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+
+from quantization import save_model
+from vs_vllm import CONTAMINATED_CORES, platform_line, run_child
+
+CANDIDATES = 12
+PROMPT_TOKENS = 32
+LOOKAHEAD_TOKENS = 64
+WORKLOAD_SIZE = 4
+#: The dtype the engines compute in (``--dtype``; children read it from the environment).
+DTYPE_VARIABLE = "SPECULATIVE_BENCHMARK_DTYPE"
+
+
+def dtype() -> str:
+    return os.environ.get(DTYPE_VARIABLE, "bfloat16")
+
+
+def predicted_fraction(prompt: list[int], output: list[int], low: int, high: int) -> float:
+    """How many of ``output``'s tokens prompt lookup proposes as the next token."""
+    from triollm.engine.speculative.ngram import NgramIndex
+
+    index = NgramIndex(low, high)
+    tokens = list(prompt)
+    hits = 0
+    for token in output:
+        hits += index.propose(tokens, 1) == [token]
+        tokens.append(token)
+    return hits / len(output)
+
+
+def select(model: str, path: str, low: int, high: int, optimization_level: int) -> None:
+    from triollm import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype(), max_model_len=1024, max_num_seqs=CANDIDATES,
+              optimization_level=optimization_level)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 1000) for _ in range(PROMPT_TOKENS)]
+               for _ in range(CANDIDATES)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=LOOKAHEAD_TOKENS,
+                                          ignore_eos=True), use_tqdm=False)
+    scored = sorted((predicted_fraction(p, list(o.outputs[0].token_ids), low, high), p,
+                     list(o.outputs[0].token_ids))
+                    for p, o in zip(prompts, outputs, strict=True))
+    workloads = {
+        "grounded": [p + out for _, p, out in scored[-WORKLOAD_SIZE:]],
+        "no_match": [p for _, p, _ in scored[:WORKLOAD_SIZE]],
+    }
+    with open(path, "w") as file:
+        json.dump(workloads, file)
+    print("RESULT " + json.dumps({"grounded_predicted": [s for s, _, _ in
+                                                          scored[-WORKLOAD_SIZE:]],
+                                  "no_match_predicted": [s for s, _, _ in
+                                                         scored[:WORKLOAD_SIZE]]}),
+          flush=True)
+
+
+def child(model: str, workloads_path: str, speculative: str, batches: list[int],
+          decode_tokens: int, optimization_level: int, repeats: int) -> None:
+    from triollm import LLM, SamplingParams
+
+    with open(workloads_path) as file:
+        workloads: dict[str, list[list[int]]] = json.load(file)
+    started = time.perf_counter()
+    llm = LLM(model, dtype=dtype(), max_model_len=1024, max_num_seqs=max(batches),
+              optimization_level=optimization_level, enable_prefix_caching=False,
+              speculative_config=json.loads(speculative) if speculative else None)
+    load_s = time.perf_counter() - started
+
+    def seconds(batch: list[list[int]], tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in batch]
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    seconds(workloads["no_match"][:1], 4)  # warm-up
+    result: dict[str, float] = {"load_s": load_s}
+    for name, prompts in workloads.items():
+        for size in batches:
+            batch = prompts[:size]
+            before = llm.engine.statistics().spec_decoding
+            decode = seconds(batch, decode_tokens) - seconds(batch, 1)
+            result[f"{name}_b{size}"] = size * (decode_tokens - 1) / decode
+            after = llm.engine.statistics().spec_decoding
+            if before is not None and after is not None:
+                drafted = after.num_draft_tokens - before.num_draft_tokens
+                accepted = after.num_accepted_tokens - before.num_accepted_tokens
+                result[f"{name}_b{size}_acceptance"] = accepted / drafted if drafted else 0.0
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--decode-tokens", type=int, default=33)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="the config's key (default: the engine's)")
+    parser.add_argument("--optimization-level", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    os.environ[DTYPE_VARIABLE] = args.dtype
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_max": args.prompt_lookup_max}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
+    print(f"# {platform_line()}; {os.cpu_count()} CPUs; Python {platform.python_version()}")
+    print(f"# speculative_config {json.dumps(spec)}; dtype {args.dtype}")
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as directory:
+        model = os.path.join(directory, "model")
+        save_model(model)
+        workloads = os.path.join(directory, "workloads.json")
+        chosen, others = run_child(
+            [sys.executable, os.path.join(here, "speculative.py"), "--select", model,
+             workloads, str(args.prompt_lookup_min), str(args.prompt_lookup_max),
+             str(args.optimization_level)], "workload selection")
+        print(f"# next tokens prompt lookup predicted: grounded "
+              f"{[round(s, 2) for s in chosen['grounded_predicted']]}, no match "
+              f"{[round(s, 2) for s in chosen['no_match_predicted']]}")
+        results = {}
+        for mode, config in (("plain", ""), ("ngram", json.dumps(spec))):
+            command = [sys.executable, os.path.join(here, "speculative.py"), "--child", model,
+                       workloads, config, json.dumps(args.batches), str(args.decode_tokens),
+                       str(args.optimization_level), str(args.repeats)]
+            result, others = run_child(command, mode)
+            results[mode] = result
+            flag = "  CONTAMINATED" if others > CONTAMINATED_CORES else ""
+            print(f"{mode}: loaded in {result['load_s']:.0f} s; others used "
+                  f"{others:.2f} cores{flag}", flush=True)
+    keys = [f"{name}_b{size}" for name in ("grounded", "no_match") for size in args.batches]
+    print(f"{'tok/s':>8}" + "".join(f"{key:>24}" for key in keys))
+    base = results["plain"]
+    for mode, result in results.items():
+        cells = "".join(
+            (f"{result[key]:.1f}" + (f" ({result[key] / base[key]:.2f}x)"
+                                     if mode != "plain" else "")).rjust(24) for key in keys)
+        print(f"{mode:>8}{cells}")
+    spec_result = results["ngram"]
+    print("acceptance" + "".join(
+        f"{spec_result.get(key + '_acceptance', 0.0):>22.2f}" for key in keys))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--select":
+        select(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5]),
+              int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]))
+    else:
+        main()
