@@ -1,11 +1,14 @@
 /* One (sequence, KV head) of paged decode attention, as decode.c calls it: the portable
-   three-pass loop and, where the compiler targets AVX-512, the one-pass online softmax.
+   three-pass loop and, where the compiler targets AVX-512, the one-pass online softmax;
+   each for a cache of fp32, bf16, e5m2 or e4m3 elements (fp8.h), widened as it is read.
    Included by decode.c alone (its static functions are that file's). */
 #ifndef TRIOLLM_DECODE_PAIR_H
 #define TRIOLLM_DECODE_PAIR_H
 
 #include <math.h>
 #include <stdint.h>
+
+#include "fp8.h"
 
 static inline float bf16_to_float(uint16_t bits) {
     union { uint32_t u; float f; } value;
@@ -92,6 +95,8 @@ static inline __attribute__((always_inline)) void NAME(                         
 
 DEFINE_ATTEND(attend_f32, float, AS_FLOAT)
 DEFINE_ATTEND(attend_bf16, uint16_t, FROM_BF16)
+DEFINE_ATTEND(attend_e5m2, uint8_t, FROM_E5M2)
+DEFINE_ATTEND(attend_e4m3, uint8_t, FROM_E4M3)
 
 #if defined(__AVX512F__) && !defined(TRIOLLM_PORTABLE)
 #include <immintrin.h>
@@ -181,6 +186,12 @@ DEFINE_ATTEND16(attend16_f32_d128, float, load16_f32, 8)
 DEFINE_ATTEND16(attend16_bf16_d128, uint16_t, load16_bf16, 8)
 DEFINE_ATTEND16(attend16_f32, float, load16_f32, 0)
 DEFINE_ATTEND16(attend16_bf16, uint16_t, load16_bf16, 0)
+DEFINE_ATTEND16(attend16_e5m2_d64, uint8_t, load16_e5m2, 4)
+DEFINE_ATTEND16(attend16_e5m2_d128, uint8_t, load16_e5m2, 8)
+DEFINE_ATTEND16(attend16_e5m2, uint8_t, load16_e5m2, 0)
+DEFINE_ATTEND16(attend16_e4m3_d64, uint8_t, load16_e4m3, 4)
+DEFINE_ATTEND16(attend16_e4m3_d128, uint8_t, load16_e4m3, 8)
+DEFINE_ATTEND16(attend16_e4m3, uint8_t, load16_e4m3, 0)
 #else
 #define HAVE_AVX512 0
 #endif
