@@ -1,8 +1,8 @@
-"""Decode attention alone: the C kernel (model/cpu/decode.py, over an fp32, a bf16 and an
-8-bit e5m2 cache (``--kv-cache-dtype fp8_e5m2``), and its portable path over the bf16
-cache: what CPUs without AVX-512 run, the kernel as it was before its one-pass path) and the compiled kernel, which read KV
-blocks in place, against gathering the blocks and calling SDPA (the ``enforce_eager``
-path), on the same cache.
+"""Decode attention alone: the C kernel (model/cpu/decode.py, over an fp32, a bf16 and
+an 8-bit e5m2 cache (``--kv-cache-dtype fp8_e5m2``), and its portable path over the
+bf16 cache: what CPUs without AVX-512 run, the kernel as it was before its one-pass
+path) and the compiled kernel, which read KV blocks in place, against gathering the
+blocks and calling SDPA (the ``enforce_eager`` path), on the same cache.
 
 One attention layer of the benchmarks' Llama (12 heads of 64, 16-token blocks), ``B``
 single-token queries over contexts of ``L`` tokens in blocks scattered over a

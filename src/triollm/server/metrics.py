@@ -7,8 +7,9 @@ gauges (running, waiting, KV-cache usage) and the engine's own running totals
 are read from ``engine.statistics()`` when ``/metrics`` is scraped, as is
 ``vllm:cache_config_info`` (the KV cache's settings as labels: its dtype, block size
 and blocks). Every series is labelled ``model_name`` and ``engine`` ("0": one engine
-per server), as vLLM labels them (the info gauge, as vLLM's, ``engine`` only). Metrics vLLM does not have carry a ``triollm:`` prefix. Each server has its own
-registry, so several can live in one process (tests do).
+per server), as vLLM labels them (the info gauge, as vLLM's, ``engine`` only). Metrics
+vLLM does not have carry a ``triollm:`` prefix. Each server has its own registry, so
+several can live in one process (tests do).
 """
 
 from __future__ import annotations

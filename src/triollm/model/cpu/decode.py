@@ -21,9 +21,10 @@ that was checked.
 
 A step of decodes only takes one call a layer (``decode_step``): the step's keys and values
 are written into the cache (rounded to its element type as torch casts), the queries
-read and the output written in the model's dtype with the strides the model's projections give them, all in C. Around the kernel
-the layer's torch path makes about ten calls (the cache writes, conversions, slicing, a
-copy out). Measured figures: docs/benchmarks.md.
+read and the output written in the model's dtype with the strides the model's
+projections give them, all in C. Around the kernel the layer's torch path makes about
+ten calls (the cache writes, conversions, slicing, a copy out). Measured figures:
+docs/benchmarks.md.
 
 The kernel (``csrc/decode.c``) is compiled for the CPU it runs on (build.py). Without a
 working compiler ``load_kernel`` returns None and the runner falls back to the compiled
