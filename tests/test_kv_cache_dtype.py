@@ -15,6 +15,7 @@ import torch
 
 from triollm import LLM, EngineArgs, SamplingParams
 from triollm.cli import build_parser, engine_args_from_namespace
+from triollm.lora.request import LoRARequest
 from triollm.model.attention import compute
 from triollm.model.attention.kernel import DecodeStepKernel
 from triollm.model.attention.kv_storage import EIGHT_BIT_CACHE_DTYPES, write_slots
@@ -189,3 +190,33 @@ def test_a_pooling_model_refuses_an_eight_bit_cache(llama_path: Path) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8_e5m2': a pooling model"):
         EngineArgs(model=str(llama_path), runner="pooling",
                    kv_cache_dtype="fp8_e5m2").create_engine_config()
+
+
+def test_the_compiled_forward_reads_an_eight_bit_cache_as_the_eager_one(
+        llama_path: Path) -> None:
+    common: dict[str, Any] = dict(dtype="float32", max_model_len=128, cpu_threads=1,
+                                  num_gpu_blocks_override=128, kv_cache_dtype="fp8_e5m2",
+                                  max_num_batched_tokens=7)
+    compiled = LLM(str(llama_path), optimization_level=2, **common)
+    assert compiled.engine.runner.compiled  # type: ignore[attr-defined]
+    eager = LLM(str(llama_path), **common)
+    got, expected = _greedy_logprobs(compiled), _greedy_logprobs(eager)
+    assert [[token for token, _ in run] for run in got] == [
+        [token for token, _ in run] for run in expected]
+    assert _worst_deviation(got, expected) < 1e-4
+
+
+def test_an_eight_bit_cache_serves_lora_over_quantized_weights_with_prefix_hits(
+        lora_models: dict[str, Path]) -> None:
+    """int8 weights, an adapter on q/v, the cache in e5m2: a prompt asked again hits the
+    prefix cache and gets the same answer from the cached (rounded) blocks."""
+    llm = LLM(str(lora_models["llama"]), dtype="float32", max_model_len=128,
+              num_gpu_blocks_override=64, kv_cache_dtype="fp8_e5m2", quantization="int8",
+              enable_lora=True, max_lora_rank=8)
+    adapter = LoRARequest("qv8", 1, str(lora_models["qv8"]))
+    prompt = "one two three four five six seven eight nine ten eleven twelve thirteen"
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    answers = [llm.generate([prompt], greedy, lora_request=adapter, use_tqdm=False)[0]
+               for _ in range(3)]
+    assert llm.engine.statistics().prefix_cache_hits > 0
+    assert answers[1].outputs[0].token_ids == answers[2].outputs[0].token_ids

@@ -9,7 +9,8 @@ pairs on torch's OpenMP runtime with torch's thread count, so the compute-thread
 (``threads.py``) governs it too; while that policy computes on one thread beside
 busy cores, the AVX-512 path's pairs go to helpers.py's pool instead. Scores and
 sums are fp32; the cache may be fp32, bf16, or 8-bit e5m2 or e4m3 (``--kv-cache-dtype``,
-each element widened as it is loaded: csrc/fp8.h).
+csrc/fp8.h: widened as loaded on the AVX-512 path; on the portable one each block is
+widened to fp32 once for all the query heads of its group, not once per head).
 
 Two paths share the source. Where the compiler targets AVX-512 and the head size is a
 multiple of 16 (up to 256), one pass over the blocks keeps a query head's output row in
