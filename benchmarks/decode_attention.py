@@ -1,8 +1,8 @@
-"""Decode attention alone: the C kernel (model/cpu/decode.py, over an fp32 and a bf16
-cache, and its portable path over the bf16 cache: what CPUs without AVX-512 run, the
-kernel as it was before its one-pass path) and the compiled kernel, which read KV
-blocks in place, against gathering the blocks and calling SDPA (the ``enforce_eager``
-path), on the same cache.
+"""Decode attention alone: the C kernel (model/cpu/decode.py, over an fp32, a bf16 and
+an 8-bit e5m2 cache (``--kv-cache-dtype fp8_e5m2``), and its portable path over the
+bf16 cache: what CPUs without AVX-512 run, the kernel as it was before its one-pass
+path) and the compiled kernel, which read KV blocks in place, against gathering the
+blocks and calling SDPA (the ``enforce_eager`` path), on the same cache.
 
 One attention layer of the benchmarks' Llama (12 heads of 64, 16-token blocks), ``B``
 single-token queries over contexts of ``L`` tokens in blocks scattered over a
@@ -72,6 +72,10 @@ def main() -> None:
                               torch.bfloat16, torch.device("cpu"))
     bf16_cache.keys[0].copy_(cache.keys[0])
     bf16_cache.values[0].copy_(cache.values[0])
+    fp8_cache = PagedKVCache({id(module): KVCacheSpec(HEADS, DIM)}, blocks, BLOCK,
+                             torch.float8_e5m2, torch.device("cpu"))
+    fp8_cache.keys[0].copy_(cache.keys[0])
+    fp8_cache.values[0].copy_(cache.values[0])
     kernel = cpu_decode.load_kernel()
     if kernel is None:
         raise SystemExit("the C decode kernel did not build here (see the warning above)")
@@ -82,8 +86,8 @@ def main() -> None:
         return
     portable = cpu_decode.CpuDecodeKernel(ctypes.CDLL(str(cpu_decode._build(portable=True))))
     print(f"{'batch x context':>16} {'gather + SDPA':>14} {'compiled':>10} {'C fp32':>10} "
-          f"{'C bf16':>10} {'portable bf16':>14} {'C bf16 vs compiled':>19} "
-          f"{'vs portable':>12}")
+          f"{'C bf16':>10} {'C e5m2':>10} {'portable bf16':>14} {'C bf16 vs compiled':>19} "
+          f"{'vs portable':>12} {'e5m2 vs bf16':>13}")
     for shape in args.shapes:
         batch, context = map(int, shape.split("x"))
         width = -(-context // BLOCK)
@@ -97,6 +101,7 @@ def main() -> None:
         for label, each, on in (("gather", None, cache),
                                 ("compiled", compiled_paged_decode_attention, cache),
                                 ("C fp32", kernel, cache), ("C bf16", kernel, bf16_cache),
+                                ("C e5m2", kernel, fp8_cache),
                                 ("portable", portable, bf16_cache)):
             step = each.decode_step if isinstance(each, DecodeStepKernel) else None
             metadata = PagedAttentionMetadata(kv_cache=on, slot_mapping=slots,
@@ -106,9 +111,10 @@ def main() -> None:
                 _forward, module, query, key, value, metadata), args.repeats)
         print(f"{shape:>16} {results['gather'] * 1e3:11.3f} ms {results['compiled'] * 1e3:7.3f} ms"
               f" {results['C fp32'] * 1e3:7.3f} ms {results['C bf16'] * 1e3:7.3f} ms"
-              f" {results['portable'] * 1e3:11.3f} ms"
+              f" {results['C e5m2'] * 1e3:7.3f} ms {results['portable'] * 1e3:11.3f} ms"
               f" {results['compiled'] / results['C bf16']:18.2f}x"
-              f" {results['portable'] / results['C bf16']:11.2f}x", flush=True)
+              f" {results['portable'] / results['C bf16']:11.2f}x"
+              f" {results['C bf16'] / results['C e5m2']:12.2f}x", flush=True)
 
 
 def mixed(module: torch.nn.Module, cache: PagedKVCache, steps: list[str], repeats: int,

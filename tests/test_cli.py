@@ -148,7 +148,7 @@ def test_every_vllm_flag_is_known() -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--quantization-config", "{}"], "--quantization-config {}: not supported by triollm"),
-    (["--kv-cache-dtype", "fp8"], "(only auto is accepted)"),
+    (["--kv-cache-dtype-skip-layers", "0"], "every layer's KV cache is kept in"),
     (["--fully-sharded-loras"], "--fully-sharded-loras: not supported by triollm: this LoRA"),
     (["--pipeline-parallel-size", "2"], "one device"),
     (["--lora-modules", "a/x"], "expected name=path or a JSON object"),

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from triollm import LLM, SamplingParams
 from triollm.model.attention.kernel import DecodeStepKernel
+from triollm.model.attention.kv_storage import EIGHT_BIT_CACHE_DTYPES, write_slots
 from triollm.model.attention.metadata import (
     DecodeGroup,
     KVCacheSpec,
@@ -88,16 +89,24 @@ def test_kernels_match_the_gather_path(lens: list[int], kv_heads: int, q_heads: 
     fused, gathered = _decode_outputs(lens, kv_heads, q_heads, sliding_window, softcap,
                                       seed=len(lens), kernel=chosen)
     torch.testing.assert_close(fused, gathered, atol=2e-5, rtol=1e-5)
-    if kernel == "c":  # a bf16 cache, read as bf16 and computed in fp32
-        fused, gathered = _decode_outputs(lens, kv_heads, q_heads, sliding_window, softcap,
-                                          seed=len(lens), kernel=chosen,
-                                          dtype=torch.bfloat16)
-        torch.testing.assert_close(fused, gathered, atol=2e-5, rtol=1e-5)
+    if kernel == "c":  # bf16 and 8-bit caches, widened as read and computed in fp32
+        for dtype in (torch.bfloat16, *EIGHT_BIT_CACHE_DTYPES):
+            fused, gathered = _decode_outputs(lens, kv_heads, q_heads, sliding_window,
+                                              softcap, seed=len(lens), kernel=chosen,
+                                              dtype=dtype)
+            torch.testing.assert_close(fused, gathered, atol=2e-5, rtol=1e-5)
+
+
+def test_the_compiled_kernel_reads_an_eight_bit_cache() -> None:
+    fused, gathered = _decode_outputs([13, 4, 1, 12], 2, 6, None, None, seed=3,
+                                      kernel=compiled_paged_decode_attention,
+                                      dtype=torch.float8_e5m2)
+    torch.testing.assert_close(fused, gathered, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["as-built", "portable"])
 @pytest.mark.parametrize(("dim", "block"), [(8, 4), (16, 4), (64, 16), (80, 8), (128, 32)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, *EIGHT_BIT_CACHE_DTYPES])
 def test_both_c_kernel_paths_match_the_gather_path(dim: int, block: int, portable: bool,
                                                    dtype: torch.dtype) -> None:
     """The AVX-512 path (head sizes that are multiples of 16; runs of 16 tokens inside a
@@ -119,26 +128,29 @@ def test_both_c_kernel_paths_match_the_gather_path(dim: int, block: int, portabl
 @given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
        kv_heads=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]),
        dim=st.sampled_from([8, 64]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       eight_bit=st.sampled_from([None, *EIGHT_BIT_CACHE_DTYPES]),
        window=st.none() | st.integers(1, 40), softcap=st.none() | st.just(7.5),
        token_major=st.booleans(), helpers=st.sampled_from([0, 2]), portable=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_a_step_of_decodes_is_one_call_with_the_writes_and_answers_of_the_layer_path(
         lens: list[int], kv_heads: int, groups: int, dim: int, dtype: torch.dtype,
-        window: int | None, softcap: float | None, token_major: bool, helpers: int,
-        portable: bool, seed: int) -> None:
+        eight_bit: torch.dtype | None, window: int | None, softcap: float | None,
+        token_major: bool, helpers: int, portable: bool, seed: int) -> None:
     """``decode_step`` (the cache writes and the attention in one C call, queries, keys
-    and values in the cache's dtype, laid out token-major as a model's projections give
-    them or head-major; on OpenMP or, as beside a busy neighbour, on helpers; built as
-    here or as for CPUs without AVX-512) against
-    writing with ``index_copy_``, the kernel on fp32 queries and rounding the output:
-    the same caches and the same output, bit for bit, laid out as the query; and
-    ``paged_attention_forward`` takes it for such a step."""
+    and values in the model's dtype, the cache in it or in 8 bits, laid out token-major
+    as a model's projections give them or head-major; on OpenMP or, as beside a busy
+    neighbour, on helpers; built as here or as for CPUs without AVX-512) against
+    writing with ``index_copy_`` (torch's rounding cast into an 8-bit cache), the kernel
+    on fp32 queries and rounding the output: the same caches and the same output, bit
+    for bit, laid out as the query; and ``paged_attention_forward`` takes it for such a
+    step."""
     kernel = cpu_decode.CpuDecodeKernel(ctypes.CDLL(str(cpu_decode._build(portable))))
     generator = torch.Generator().manual_seed(seed)
     q_heads, tokens, block = kv_heads * groups, len(lens), 16
     module = torch.nn.Module()
+    cache_dtype = dtype if eight_bit is None else eight_bit
     cache = PagedKVCache({id(module): KVCacheSpec(kv_heads, dim)}, num_blocks=48,
-                         block_size=block, dtype=dtype, device=torch.device("cpu"))
+                         block_size=block, dtype=cache_dtype, device=torch.device("cpu"))
     for tensor in (cache.keys[0], cache.values[0]):
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
     blocks = torch.randperm(48, generator=generator).tolist()
@@ -156,9 +168,12 @@ def test_a_step_of_decodes_is_one_call_with_the_writes_and_answers_of_the_layer_
         return torch.randn(heads, tokens, dim, generator=generator).to(dtype)
 
     query, key, value = projected(q_heads), projected(kv_heads), projected(kv_heads)
+    if eight_bit is not None:  # also values that round to subnormals, ties and 448+
+        key = key * torch.tensor([1e-4, 1.0, 600.0])[torch.arange(tokens) % 3][None, :, None]
+        key = key.to(dtype)
     keys, values = cache.keys[0].clone(), cache.values[0].clone()
-    keys.view(kv_heads, -1, dim).index_copy_(1, slots, key)
-    values.view(kv_heads, -1, dim).index_copy_(1, slots, value)
+    write_slots(keys, slots, key)
+    write_slots(values, slots, value)
     expected = kernel(query.transpose(0, 1).float(), keys, values, block_tables,
                       context_lens, 0.3, window, softcap).transpose(0, 1).to(dtype)
 
@@ -170,7 +185,7 @@ def test_a_step_of_decodes_is_one_call_with_the_writes_and_answers_of_the_layer_
         cpu_helpers.set_spare_threads(0)
     assert got is not None and got.stride() == query.stride()
     assert torch.equal(got, expected)
-    assert torch.equal(cache.keys[0], keys) and torch.equal(cache.values[0], values)
+    assert _same_bits(cache.keys[0], keys) and _same_bits(cache.values[0], values)
 
     calls = []
 
@@ -186,6 +201,12 @@ def test_a_step_of_decodes_is_one_call_with_the_writes_and_answers_of_the_layer_
         sliding_window=window, softcap=softcap, triollm_metadata=metadata)
     assert len(calls) == 1
     assert torch.equal(out[0].transpose(0, 1), expected)
+
+
+def _same_bits(first: torch.Tensor, second: torch.Tensor) -> bool:
+    if first.element_size() == 1:  # torch compares no float8 tensors
+        return torch.equal(first.view(torch.uint8), second.view(torch.uint8))
+    return torch.equal(first, second)
 
 
 def _generate(llm: LLM) -> list[list[int]]:

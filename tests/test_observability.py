@@ -356,7 +356,7 @@ def test_metrics_after_a_known_workload_carry_vllms_names_types_and_values(
         llama_path: Path) -> None:
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
         model=str(llama_path), dtype="float32", max_model_len=256, num_gpu_blocks_override=128,
-        block_size=4))
+        block_size=4, kv_cache_dtype="fp8_e5m2"))
     with server_in_thread(engine, served_model_names=(MODEL,)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         shared = "one two three four five six seven eight nine ten"
@@ -404,6 +404,11 @@ def test_metrics_after_a_known_workload_carry_vllms_names_types_and_values(
 
     assert value(values, "vllm:num_requests_running") == 0
     assert value(values, "vllm:num_requests_waiting") == 0
+    assert types.get("vllm:cache_config_info") == "gauge"
+    [(_, info)] = [key for key in values if key[0] == "vllm:cache_config_info"]
+    for label in ('cache_dtype="fp8_e5m2"', 'block_size="4"', 'num_gpu_blocks="128"',
+                  'engine="0"'):
+        assert label in info
     used = stats.num_total_blocks - stats.num_free_blocks
     assert value(values, "vllm:kv_cache_usage_perc") == pytest.approx(
         used / stats.num_total_blocks)

@@ -232,7 +232,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         description="Serve a model over an OpenAI-compatible HTTP API (as `vllm serve`). "
                     "With no model it serves the built-in demo model (random weights).",
         epilog="vLLM's flags that triollm does not implement are accepted only with a value "
-               "that asks for what triollm does anyway (--kv-cache-dtype auto); any other "
+               "that asks for what triollm does anyway (--pipeline-parallel-size 1); any other "
                "use is an error saying why. docs/migration.md lists every flag.")
     serve.add_argument("model_tag", nargs="?", default=None,
                        help="model directory or hub id (same as --model)")

@@ -145,6 +145,9 @@ class CacheConfig:
     gpu_memory_utilization: float
     num_gpu_blocks_override: int | None
     kv_cache_space_gb: float
+    #: ``--kv-cache-dtype``: ``auto`` (the model's dtype) or an 8-bit format
+    #: (model/quantization/kv_cache_dtype.py).
+    cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

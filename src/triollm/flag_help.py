@@ -69,6 +69,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "quantization_group_size": "int4's input columns per group, a multiple of 32 (-1: "
                                "per channel); triollm's own flag",
     "lora_target_modules": "only these module names take adapters",
+    "kv_cache_dtype": "the KV cache's element type: auto (the model's dtype), fp8_e5m2, "
+                      "fp8 or fp8_e4m3 (8 bits, half a bf16 cache: twice the tokens in "
+                      "the same memory; docs/quantization.md)",
     "otlp_traces_endpoint": "send a span per finished request to this OpenTelemetry "
                             "collector (OTLP; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc "
                             "or http/protobuf; needs pip install 'triollm[tracing]')",

@@ -1,8 +1,8 @@
 """The flags of ``vllm serve`` (vLLM 0.32) that ``triollm serve`` does not implement.
 
 A user's vLLM command line must never be half-understood: each of these flags is
-accepted only with a value that asks for what triollm does anyway (``--kv-cache-dtype
-auto``, ``--pipeline-parallel-size 1``, the ``--no-`` form of a feature switch), and any
+accepted only with a value that asks for what triollm does anyway (``--pipeline-parallel-size
+1``, the ``--no-`` form of a feature switch), and any
 other use stops ``triollm serve`` with the reason. docs/migration.md lists them.
 """
 
@@ -21,8 +21,10 @@ _MULTIMODAL = "triollm serves text-only models"
 _LORA = "this LoRA option is not supported: triollm serves LoRA adapters on the linear " \
         "layers of text generation models (--enable-lora, --lora-modules, --max-loras, " \
         "--max-lora-rank, --max-cpu-loras, --lora-dtype, --lora-target-modules)"
-_QUANT = ("only the --quantization methods in docs/quantization.md are supported, and no "
-          "quantized KV cache: the cache is kept in --dtype")
+_QUANT = ("only the --quantization methods and --kv-cache-dtype values in "
+          "docs/quantization.md are supported")
+_KV_QUANT = ("every layer's KV cache is kept in --kv-cache-dtype, and an fp8 cache with a "
+             "scale of 1.0 (no k/v scales are calculated)")
 _KERNELS = "vLLM's kernel, CUDA-graph and compilation settings have no counterpart: " \
            "on CPU triollm compiles its decode attention and, by --optimization-level, the " \
            "model's forward (--enforce-eager turns both off)"
@@ -113,8 +115,7 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
     **_values(_LORA, "--default-mm-loras", "--max-lora-cls-labels"),
     # quantization and kernels
     **_values(_QUANT, "--quantization-config"),
-    **_values(_QUANT, "--kv-cache-dtype", neutral=("auto",)),
-    **_lists(_QUANT, "--kv-cache-dtype-skip-layers"),
+    **_lists(_KV_QUANT, "--kv-cache-dtype-skip-layers"),
     **_switches(_QUANT, "--allow-deprecated-quantization"),
     **_values(_KERNELS, "--attention-backend", "--attention-config", "--compilation-config",
               "--cudagraph-capture-sizes", "--max-cudagraph-capture-size",
@@ -238,7 +239,7 @@ OLDER_VLLM_FLAGS: dict[str, RefusedFlag] = {
                 "--disable-frontend-multiprocessing"),
     **_switches(_NOT_IMPLEMENTED + ": outputs are already processed as each step ends",
                 "--disable-async-output-proc"),
-    **_switches(_QUANT, "--calculate-kv-scales"),
+    **_switches(_KV_QUANT, "--calculate-kv-scales"),
     **_switches(_MULTIMODAL, "--disable-mm-preprocessor-cache"),
 }
 

@@ -17,8 +17,33 @@
              (const CACHE_T*)value_cache + h * num_blocks * block_size * dim,           \
              tables + b * max_blocks, scores, DEST,                                     \
              groups, block_size, dim, start, ctx, scale, softcap)
-#define CALL_ATTEND(FUNCTION, CACHE_T)                                                  \
-    CALL_ATTEND_INTO(FUNCTION, CACHE_T, out + (b * q_heads + h * groups) * dim)
+/* The cache's element type (model/cpu/decode.py passes it). */
+enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_E5M2 = 2, CACHE_E4M3 = 3 };
+
+#define CALL_PORTABLE(KIND, DEST)                                                       \
+    do {                                                                                \
+        switch (KIND) {                                                                 \
+        case CACHE_BF16: CALL_ATTEND_INTO(attend_bf16, uint16_t, DEST); break;          \
+        case CACHE_E5M2: CALL_ATTEND_INTO(attend_e5m2, uint8_t, DEST); break;           \
+        case CACHE_E4M3: CALL_ATTEND_INTO(attend_e4m3, uint8_t, DEST); break;           \
+        default: CALL_ATTEND_INTO(attend_f32, float, DEST);                             \
+        }                                                                               \
+    } while (0)
+#define CALL_VECTOR_SIZES(NAME, CACHE_T, DEST)                                          \
+    do {                                                                                \
+        if (dim == 64) CALL_ATTEND_INTO(NAME##_d64, CACHE_T, DEST);                     \
+        else if (dim == 128) CALL_ATTEND_INTO(NAME##_d128, CACHE_T, DEST);              \
+        else CALL_ATTEND_INTO(NAME, CACHE_T, DEST);                                     \
+    } while (0)
+#define CALL_VECTOR(KIND, DEST)                                                         \
+    do {                                                                                \
+        switch (KIND) {                                                                 \
+        case CACHE_BF16: CALL_VECTOR_SIZES(attend16_bf16, uint16_t, DEST); break;       \
+        case CACHE_E5M2: CALL_VECTOR_SIZES(attend16_e5m2, uint8_t, DEST); break;        \
+        case CACHE_E4M3: CALL_VECTOR_SIZES(attend16_e4m3, uint8_t, DEST); break;        \
+        default: CALL_VECTOR_SIZES(attend16_f32, float, DEST);                          \
+        }                                                                               \
+    } while (0)
 
 /* Which path this build runs for head size `dim`: 1 the vector one, 0 the portable. */
 int triollm_paged_decode_vectorized(int64_t dim) {
@@ -30,7 +55,7 @@ int triollm_paged_decode(
     const int64_t* tables, const int64_t* context_lens, float* out,
     int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t num_blocks,
     int64_t block_size, int64_t dim, int64_t max_blocks, float scale,
-    int64_t window, float softcap, int cache_is_bf16, int threads)
+    int64_t window, float softcap, int cache_kind, int threads)
 {
     const int64_t groups = q_heads / kv_heads;
     const int vectorized = triollm_paged_decode_vectorized(dim);
@@ -52,26 +77,15 @@ int triollm_paged_decode(
                 const int64_t ctx = context_lens[b];
                 const int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
                 if (ctx - start <= 0) continue;
+                float* dest = out + (b * q_heads + h * groups) * dim;
 #if HAVE_AVX512
                 if (vectorized) {
-                    if (cache_is_bf16) {
-                        if (dim == 64) CALL_ATTEND(attend16_bf16_d64, uint16_t);
-                        else if (dim == 128) CALL_ATTEND(attend16_bf16_d128, uint16_t);
-                        else CALL_ATTEND(attend16_bf16, uint16_t);
-                    } else {
-                        if (dim == 64) CALL_ATTEND(attend16_f32_d64, float);
-                        else if (dim == 128) CALL_ATTEND(attend16_f32_d128, float);
-                        else CALL_ATTEND(attend16_f32, float);
-                    }
+                    CALL_VECTOR(cache_kind, dest);
                     continue;
                 }
 #endif
                 if (scores == NULL) continue;
-                if (cache_is_bf16) {
-                    CALL_ATTEND(attend_bf16, uint16_t);
-                } else {
-                    CALL_ATTEND(attend_f32, float);
-                }
+                CALL_PORTABLE(cache_kind, dest);
             }
         }
         free(scores);
@@ -91,7 +105,7 @@ typedef struct {
     float* out;
     int64_t q_heads, kv_heads, num_blocks, block_size, dim, max_blocks, window;
     float scale, softcap;
-    int cache_is_bf16;
+    int cache_kind;
 } decode_job;
 
 #if HAVE_AVX512
@@ -114,17 +128,7 @@ static void decode_job_unit(pool_job* base, int64_t unit, int helper) {
     float own[helper ? groups * dim : 1];
     float* dest = helper ? own : target;
     float* scores = NULL;
-    if (ctx - start > 0) {
-        if (job->cache_is_bf16) {
-            if (dim == 64) CALL_ATTEND_INTO(attend16_bf16_d64, uint16_t, dest);
-            else if (dim == 128) CALL_ATTEND_INTO(attend16_bf16_d128, uint16_t, dest);
-            else CALL_ATTEND_INTO(attend16_bf16, uint16_t, dest);
-        } else {
-            if (dim == 64) CALL_ATTEND_INTO(attend16_f32_d64, float, dest);
-            else if (dim == 128) CALL_ATTEND_INTO(attend16_f32_d128, float, dest);
-            else CALL_ATTEND_INTO(attend16_f32, float, dest);
-        }
-    }
+    if (ctx - start > 0) CALL_VECTOR(job->cache_kind, dest);
     if (helper && pool_commit(base, unit) && ctx - start > 0)
         memcpy(target, own, sizeof(float) * (size_t)(groups * dim));
 }
@@ -137,7 +141,7 @@ int triollm_paged_decode_pooled(
     const int64_t* tables, const int64_t* context_lens, float* out,
     int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t num_blocks,
     int64_t block_size, int64_t dim, int64_t max_blocks, float scale,
-    int64_t window, float softcap, int cache_is_bf16, int helpers)
+    int64_t window, float softcap, int cache_kind, int helpers)
 {
 #if HAVE_AVX512
     if (triollm_paged_decode_vectorized(dim)) {
@@ -171,7 +175,7 @@ int triollm_paged_decode_pooled(
             job->window = window;
             job->scale = scale;
             job->softcap = softcap;
-            job->cache_is_bf16 = cache_is_bf16;
+            job->cache_kind = cache_kind;
             triollm_pool_run(&job->base, helpers);
             return 0;
         }
@@ -180,7 +184,7 @@ int triollm_paged_decode_pooled(
     (void)helpers;
     return triollm_paged_decode(query, key_cache, value_cache, tables, context_lens, out,
                                 batch, q_heads, kv_heads, num_blocks, block_size, dim,
-                                max_blocks, scale, window, softcap, cache_is_bf16, 1);
+                                max_blocks, scale, window, softcap, cache_kind, 1);
 }
 
 /* Rounded to nearest even, NaN kept a NaN: what torch's float-to-bf16 conversion does. */
@@ -192,10 +196,34 @@ static inline uint16_t float_to_bf16(float number) {
     return (uint16_t)(value.u >> 16);
 }
 
+static size_t cache_element(int cache_kind) {
+    return cache_kind == CACHE_F32 ? 4 : cache_kind == CACHE_BF16 ? 2 : 1;
+}
+
+/* `dim` elements of the model's dtype (bf16 or fp32) into the cache's, as torch casts. */
+static void store_row(void* target, const void* source, int64_t dim, int io_is_bf16,
+                      int cache_kind) {
+    if (cache_kind == (io_is_bf16 ? CACHE_BF16 : CACHE_F32)) {
+        memcpy(target, source, (size_t)dim * cache_element(cache_kind));
+        return;
+    }
+    for (int64_t d = 0; d < dim; d++) {
+        const float x = io_is_bf16 ? bf16_to_float(((const uint16_t*)source)[d])
+                                   : ((const float*)source)[d];
+        switch (cache_kind) {
+        case CACHE_F32: ((float*)target)[d] = x; break;
+        case CACHE_BF16: ((uint16_t*)target)[d] = float_to_bf16(x); break;
+        case CACHE_E5M2: ((uint8_t*)target)[d] = float_to_e5m2(x); break;
+        default: ((uint8_t*)target)[d] = float_to_e4m3(x);
+        }
+    }
+}
+
 /* A layer's whole attention for a step of decodes only: token t's keys and values go
-   into the cache at slots[t], then each token's query attends over its sequence. The
-   queries, keys, values and the output are in the cache's dtype, as [heads, tokens, dim]
-   with any head and token strides (in elements; dim contiguous). */
+   into the cache at slots[t] (converted to its element type), then each token's query
+   attends over its sequence. The queries, keys, values and the output are in the
+   model's dtype (bf16 or fp32), as [heads, tokens, dim] with any head and token strides
+   (in elements; dim contiguous). */
 static int decode_step(
     const void* query, int64_t q_head_stride, int64_t q_token_stride,
     const void* keys, int64_t k_head_stride, int64_t k_token_stride,
@@ -205,19 +233,20 @@ static int decode_step(
     const int64_t* tables, const int64_t* context_lens,
     int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t num_blocks,
     int64_t block_size, int64_t dim, int64_t max_blocks, float scale,
-    int64_t window, float softcap, int cache_is_bf16, int threads, int pooled)
+    int64_t window, float softcap, int io_is_bf16, int cache_kind, int threads, int pooled)
 {
-    const size_t element = cache_is_bf16 ? 2 : 4;
+    const size_t io_element = io_is_bf16 ? 2 : 4;
+    const size_t element = cache_element(cache_kind);
     const int64_t head_size = num_blocks * block_size * dim;
     for (int64_t t = 0; t < batch; t++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             const size_t cache_at = (size_t)(h * head_size + slots[t] * dim) * element;
-            memcpy((char*)key_cache + cache_at,
-                   (const char*)keys + (size_t)(h * k_head_stride + t * k_token_stride) * element,
-                   (size_t)dim * element);
-            memcpy((char*)value_cache + cache_at,
-                   (const char*)values + (size_t)(h * v_head_stride + t * v_token_stride) * element,
-                   (size_t)dim * element);
+            store_row((char*)key_cache + cache_at,
+                      (const char*)keys + (size_t)(h * k_head_stride + t * k_token_stride) * io_element,
+                      dim, io_is_bf16, cache_kind);
+            store_row((char*)value_cache + cache_at,
+                      (const char*)values + (size_t)(h * v_head_stride + t * v_token_stride) * io_element,
+                      dim, io_is_bf16, cache_kind);
         }
     }
     const size_t rows = (size_t)(batch * q_heads * dim);
@@ -229,7 +258,7 @@ static int decode_step(
         for (int64_t h = 0; h < q_heads; h++) {
             float* row = flat_query + (t * q_heads + h) * dim;
             const int64_t at = h * q_head_stride + t * q_token_stride;
-            if (cache_is_bf16) {
+            if (io_is_bf16) {
                 const uint16_t* source = (const uint16_t*)query + at;
                 for (int64_t d = 0; d < dim; d++) row[d] = bf16_to_float(source[d]);
             } else {
@@ -241,16 +270,16 @@ static int decode_step(
         ? triollm_paged_decode_pooled(flat_query, key_cache, value_cache, tables,
                                       context_lens, flat_out, batch, q_heads, kv_heads,
                                       num_blocks, block_size, dim, max_blocks, scale, window,
-                                      softcap, cache_is_bf16, threads)
+                                      softcap, cache_kind, threads)
         : triollm_paged_decode(flat_query, key_cache, value_cache, tables, context_lens,
                                flat_out, batch, q_heads, kv_heads, num_blocks, block_size,
-                               dim, max_blocks, scale, window, softcap, cache_is_bf16,
+                               dim, max_blocks, scale, window, softcap, cache_kind,
                                threads);
     for (int64_t t = 0; t < batch && !failed; t++) {
         for (int64_t h = 0; h < q_heads; h++) {
             const float* row = flat_out + (t * q_heads + h) * dim;
             const int64_t at = h * out_head_stride + t * out_token_stride;
-            if (cache_is_bf16) {
+            if (io_is_bf16) {
                 uint16_t* target = (uint16_t*)out + at;
                 for (int64_t d = 0; d < dim; d++) target[d] = float_to_bf16(row[d]);
             } else {
@@ -271,12 +300,12 @@ static int decode_step(
     const int64_t* tables, const int64_t* context_lens,                                 \
     int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t num_blocks,               \
     int64_t block_size, int64_t dim, int64_t max_blocks, float scale,                   \
-    int64_t window, float softcap, int cache_is_bf16
+    int64_t window, float softcap, int io_is_bf16, int cache_kind
 #define DECODE_STEP_ARGUMENTS                                                           \
     query, q_head_stride, q_token_stride, keys, k_head_stride, k_token_stride,          \
     values, v_head_stride, v_token_stride, out, out_head_stride, out_token_stride,      \
     slots, key_cache, value_cache, tables, context_lens, batch, q_heads, kv_heads,      \
-    num_blocks, block_size, dim, max_blocks, scale, window, softcap, cache_is_bf16
+    num_blocks, block_size, dim, max_blocks, scale, window, softcap, io_is_bf16, cache_kind
 
 int triollm_decode_step(DECODE_STEP_PARAMETERS, int threads) {
     return decode_step(DECODE_STEP_ARGUMENTS, threads, 0);

@@ -1,11 +1,14 @@
 /* One (sequence, KV head) of paged decode attention, as decode.c calls it: the portable
-   three-pass loop and, where the compiler targets AVX-512, the one-pass online softmax.
+   three-pass loop and, where the compiler targets AVX-512, the one-pass online softmax;
+   each for a cache of fp32, bf16, e5m2 or e4m3 elements (fp8.h), widened as it is read.
    Included by decode.c alone (its static functions are that file's). */
 #ifndef TRIOLLM_DECODE_PAIR_H
 #define TRIOLLM_DECODE_PAIR_H
 
 #include <math.h>
 #include <stdint.h>
+
+#include "fp8.h"
 
 static inline float bf16_to_float(uint16_t bits) {
     union { uint32_t u; float f; } value;
@@ -16,10 +19,33 @@ static inline float bf16_to_float(uint16_t bits) {
 #define AS_FLOAT(x) (x)
 #define FROM_BF16(x) bf16_to_float(x)
 
+/* A block's rows [begin, end) as the loops below read them: in place (fp32, bf16), or
+   widened to fp32 once into `wide` (8-bit caches), so that a block's keys and values
+   are converted once for all the query heads of their group, not once per head. */
+#define DEFINE_ROWS_IN_PLACE(NAME, CACHE_T)                                             \
+static inline const CACHE_T* NAME(float* wide, const CACHE_T* rows, int64_t begin,      \
+                                  int64_t end, int64_t dim) {                           \
+    (void)wide; (void)begin; (void)end; (void)dim;                                      \
+    return rows;                                                                        \
+}
+#define DEFINE_ROWS_WIDENED(NAME, CONVERT)                                              \
+static inline const float* NAME(float* wide, const uint8_t* rows, int64_t begin,        \
+                                int64_t end, int64_t dim) {                             \
+    _Pragma("omp simd")                                                                 \
+    for (int64_t i = begin * dim; i < end * dim; i++) wide[i] = CONVERT(rows[i]);       \
+    return wide;                                                                        \
+}
+
+DEFINE_ROWS_IN_PLACE(rows_f32, float)
+DEFINE_ROWS_IN_PLACE(rows_bf16, uint16_t)
+DEFINE_ROWS_WIDENED(rows_e5m2, e5m2_to_float)
+DEFINE_ROWS_WIDENED(rows_e4m3, e4m3_to_float)
+
 /* One (sequence, KV head): its `groups` query heads attend over tokens [start, ctx),
    read block by block through the sequence's row of the block table (no division per
-   token). Four tokens' dot products are summed at once so their reductions overlap. */
-#define DEFINE_ATTEND(NAME, CACHE_T, LOAD)                                              \
+   token). Four tokens' dot products are summed at once so their reductions overlap.
+   ROWS gives a block's rows of ROW_T elements, which LOAD widens to fp32. */
+#define DEFINE_ATTEND(NAME, CACHE_T, ROW_T, ROWS, WIDE, LOAD)                           \
 static inline __attribute__((always_inline)) void NAME(                                 \
     const float* query, const CACHE_T* keys, const CACHE_T* vals,                       \
     const int64_t* row_table, float* scores, float* out,                                \
@@ -27,20 +53,22 @@ static inline __attribute__((always_inline)) void NAME(                         
     float scale, float softcap)                                                         \
 {                                                                                       \
     const int64_t span = ctx - start;                                                   \
+    float wide[WIDE ? block_size * dim : 1];                                            \
     for (int64_t blk = start / block_size; blk * block_size < ctx; blk++) {            \
         const int64_t first = blk * block_size;                                         \
-        const CACHE_T* kb = keys + row_table[blk] * block_size * dim;                   \
         const int64_t begin = first < start ? start - first : 0;                        \
         const int64_t end = ctx - first < block_size ? ctx - first : block_size;        \
+        const ROW_T* kb = ROWS(wide, keys + row_table[blk] * block_size * dim,          \
+                               begin, end, dim);                                        \
         for (int64_t g = 0; g < groups; g++) {                                          \
             const float* qv = query + g * dim;                                          \
             float* row = scores + g * span + (first - start);                           \
             int64_t j = begin;                                                          \
             for (; j + 4 <= end; j += 4) {                                              \
-                const CACHE_T* k0 = kb + j * dim;                                       \
-                const CACHE_T* k1 = k0 + dim;                                           \
-                const CACHE_T* k2 = k1 + dim;                                           \
-                const CACHE_T* k3 = k2 + dim;                                           \
+                const ROW_T* k0 = kb + j * dim;                                         \
+                const ROW_T* k1 = k0 + dim;                                             \
+                const ROW_T* k2 = k1 + dim;                                             \
+                const ROW_T* k3 = k2 + dim;                                             \
                 float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;                       \
                 _Pragma("omp simd reduction(+:d0,d1,d2,d3)")                            \
                 for (int64_t d = 0; d < dim; d++) {                                     \
@@ -52,7 +80,7 @@ static inline __attribute__((always_inline)) void NAME(                         
                 row[j + 2] = d2 * scale; row[j + 3] = d3 * scale;                       \
             }                                                                           \
             for (; j < end; j++) {                                                      \
-                const CACHE_T* k0 = kb + j * dim;                                       \
+                const ROW_T* k0 = kb + j * dim;                                         \
                 float d0 = 0.0f;                                                        \
                 _Pragma("omp simd reduction(+:d0)")                                     \
                 for (int64_t d = 0; d < dim; d++) d0 += qv[d] * LOAD(k0[d]);            \
@@ -74,14 +102,15 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t i = 0; i < groups * dim; i++) out[i] = 0.0f;                           \
     for (int64_t blk = start / block_size; blk * block_size < ctx; blk++) {            \
         const int64_t first = blk * block_size;                                         \
-        const CACHE_T* vb = vals + row_table[blk] * block_size * dim;                   \
         const int64_t begin = first < start ? start - first : 0;                        \
         const int64_t end = ctx - first < block_size ? ctx - first : block_size;        \
+        const ROW_T* vb = ROWS(wide, vals + row_table[blk] * block_size * dim,          \
+                               begin, end, dim);                                        \
         for (int64_t g = 0; g < groups; g++) {                                          \
             const float* weights = scores + g * span + (first - start);                 \
             float* sum = out + g * dim;                                                 \
             for (int64_t j = begin; j < end; j++) {                                     \
-                const CACHE_T* v = vb + j * dim;                                        \
+                const ROW_T* v = vb + j * dim;                                          \
                 const float w = weights[j];                                             \
                 _Pragma("omp simd")                                                     \
                 for (int64_t d = 0; d < dim; d++) sum[d] += w * LOAD(v[d]);             \
@@ -90,8 +119,10 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                   \
 }
 
-DEFINE_ATTEND(attend_f32, float, AS_FLOAT)
-DEFINE_ATTEND(attend_bf16, uint16_t, FROM_BF16)
+DEFINE_ATTEND(attend_f32, float, float, rows_f32, 0, AS_FLOAT)
+DEFINE_ATTEND(attend_bf16, uint16_t, uint16_t, rows_bf16, 0, FROM_BF16)
+DEFINE_ATTEND(attend_e5m2, uint8_t, float, rows_e5m2, 1, AS_FLOAT)
+DEFINE_ATTEND(attend_e4m3, uint8_t, float, rows_e4m3, 1, AS_FLOAT)
 
 #if defined(__AVX512F__) && !defined(TRIOLLM_PORTABLE)
 #include <immintrin.h>
@@ -181,6 +212,12 @@ DEFINE_ATTEND16(attend16_f32_d128, float, load16_f32, 8)
 DEFINE_ATTEND16(attend16_bf16_d128, uint16_t, load16_bf16, 8)
 DEFINE_ATTEND16(attend16_f32, float, load16_f32, 0)
 DEFINE_ATTEND16(attend16_bf16, uint16_t, load16_bf16, 0)
+DEFINE_ATTEND16(attend16_e5m2_d64, uint8_t, load16_e5m2, 4)
+DEFINE_ATTEND16(attend16_e5m2_d128, uint8_t, load16_e5m2, 8)
+DEFINE_ATTEND16(attend16_e5m2, uint8_t, load16_e5m2, 0)
+DEFINE_ATTEND16(attend16_e4m3_d64, uint8_t, load16_e4m3, 4)
+DEFINE_ATTEND16(attend16_e4m3_d128, uint8_t, load16_e4m3, 8)
+DEFINE_ATTEND16(attend16_e4m3, uint8_t, load16_e4m3, 0)
 #else
 #define HAVE_AVX512 0
 #endif

@@ -36,6 +36,7 @@ from triollm.engine.resolve import (
     structured_outputs_config,
 )
 from triollm.engine.speculative.config import speculative_config
+from triollm.model.quantization.kv_cache_dtype import check_kv_cache_dtype
 from triollm.model.quantization.methods import (
     DEFAULT_GROUP_SIZE,
     ON_THE_FLY_BITS,
@@ -149,6 +150,9 @@ class EngineArgs:
     #: lookup), ``num_speculative_tokens``, ``prompt_lookup_min``/``max``,
     #: ``disable_by_batch_size`` (engine/speculative/config.py).
     speculative_config: dict[str, Any] | str | None = None
+    #: The KV cache's element type: ``auto`` (the model's dtype), ``fp8_e5m2``, or
+    #: ``fp8``/``fp8_e4m3`` (8 bits: half a bf16 cache's memory; docs/quantization.md).
+    kv_cache_dtype: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and resolve the model's limits into a frozen config."""
@@ -236,6 +240,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_space_gb=self.kv_cache_space_gb,
+            cache_dtype=self._kv_cache_dtype(runner, device),
         )
         speculative = speculative_config(
             self.speculative_config, async_scheduling=bool(self.async_scheduling),
@@ -274,6 +279,16 @@ class EngineArgs:
             raise fail("quantization_group_size", reason)
         return QuantizationConfig(self.quantization, self.quantization_group_size)
 
+    def _kv_cache_dtype(self, runner: str, device: torch.device) -> str:
+        if self.kv_cache_dtype != "auto":
+            if runner != "generate":
+                raise fail("kv_cache_dtype", f"{self.kv_cache_dtype!r}: a pooling model "
+                           f"keeps no KV cache")
+            if device.type != "cpu":
+                raise fail("kv_cache_dtype", f"{self.kv_cache_dtype!r} is built for the "
+                           f"CPU's attention; --device is {device.type}")
+        return self.kv_cache_dtype
+
     def _validate_ranges(self) -> None:
         def positive_int(name: str, value: object) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -301,6 +316,8 @@ class EngineArgs:
                 or not 0 <= self.optimization_level <= 3):
             raise fail("optimization_level", f"must be 0, 1, 2 or 3, got "
                        f"{self.optimization_level!r}")
+        if (reason := check_kv_cache_dtype(self.kv_cache_dtype)) is not None:
+            raise fail("kv_cache_dtype", reason)
         if not self.kv_cache_space_gb > 0:
             raise fail("kv_cache_space_gb", f"must be > 0, got {self.kv_cache_space_gb}")
         if self.tensor_parallel_size != 1:

@@ -5,10 +5,12 @@ Counters and histograms are fed by the engine after every step (``StatLogger``);
 gauges (running, waiting, KV-cache usage) and the engine's own running totals
 (preemptions, prefix-cache queries and hits, compiled-grammar cache hits and misses,
 speculative decoding's drafts and accepted tokens) are read from
-``engine.statistics()`` when ``/metrics`` is scraped. Every series is
+``engine.statistics()`` when ``/metrics`` is scraped, as is ``vllm:cache_config_info``
+(the KV cache's settings as labels: its dtype, block size and blocks). Every series is
 labelled ``model_name`` and ``engine`` ("0": one engine per server), as vLLM labels
-them. Metrics vLLM does not have carry a ``triollm:`` prefix. Each server has its own
-registry, so several can live in one process (tests do).
+them (the info gauge, as vLLM's, ``engine`` only). Metrics vLLM does not have carry a
+``triollm:`` prefix. Each server has its own registry, so several can live in one
+process (tests do).
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ class _EngineState(Collector):
                                           labels=["model_name", "engine"])
             counter.add_metric(self.labels, float(count))
             yield counter
+        yield self._cache_config_info(stats.num_total_blocks)
         spec = stats.spec_decoding
         if spec is None:
             return
@@ -178,6 +181,21 @@ class _EngineState(Collector):
         for position, count in enumerate(spec.num_accepted_tokens_per_pos):
             per_pos.add_metric([*self.labels, str(position)], float(count))
         yield per_pos
+
+    def _cache_config_info(self, num_blocks: int) -> GaugeMetricFamily:
+        """vLLM's info gauge: the cache config's fields as labels, value 1."""
+        cache = self.engine.config.cache
+        info = {"block_size": str(cache.block_size), "cache_dtype": cache.cache_dtype,
+                "enable_prefix_caching": str(cache.enable_prefix_caching),
+                "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+                "num_gpu_blocks": str(num_blocks),
+                "num_gpu_blocks_override": str(cache.num_gpu_blocks_override),
+                "engine": self.labels[1]}
+        gauge = GaugeMetricFamily("vllm:cache_config_info",
+                                  "Information of the LLMEngine CacheConfig",
+                                  labels=list(info))
+        gauge.add_metric(list(info.values()), 1.0)
+        return gauge
 
 
 class PrometheusStatLogger:

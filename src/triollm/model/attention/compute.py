@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from triollm.model.attention.kv_storage import is_eight_bit, write_slots
 from triollm.model.attention.metadata import PagedAttentionMetadata
 
 __all__ = ["attend", "write_and_attend"]
@@ -71,12 +72,15 @@ def write_and_attend(
             return out
     heads, _, _, dim = key_cache.shape
     # Attention computes in fp32 on CPU (where SDPA runs several times faster than in
-    # bf16), else in the cache's dtype; the cache may be narrower (bf16 on CPU, read by the C
-    # decode kernel); the result goes back to the model's dtype.
+    # bf16) and over an 8-bit cache, else in the cache's dtype; the cache may be narrower
+    # (bf16 or 8 bits on CPU, read by the C decode kernel); the result goes back to the
+    # model's dtype.
     model_dtype = q.dtype
-    compute = torch.float32 if key_cache.device.type == "cpu" else key_cache.dtype
-    key_cache.view(heads, -1, dim).index_copy_(1, meta.slot_mapping, k.to(key_cache.dtype))
-    value_cache.view(heads, -1, dim).index_copy_(1, meta.slot_mapping, v.to(key_cache.dtype))
+    compute = key_cache.dtype
+    if key_cache.device.type == "cpu" or is_eight_bit(compute):
+        compute = torch.float32
+    write_slots(key_cache, meta.slot_mapping, k)
+    write_slots(value_cache, meta.slot_mapping, v)
     q = q.to(compute)  # keys and values are converted only where a prefill reads them
 
     out = torch.empty_like(q)

@@ -2,9 +2,9 @@
 
 ``paged_decode_attention`` is written so that ``torch.compile`` fuses the block lookup
 into the attention's two reductions, and the keys and values are read where they lie
-rather than copied out first. Compiled, it is the CPU decode kernel where the C one
-(model/cpu/decode.py) cannot be built; it also is the reference the C kernel is checked
-against when it loads.
+rather than copied out first (an 8-bit cache widened on the way). Compiled, it is the
+CPU decode kernel where the C one (model/cpu/decode.py) cannot be built; it also is the
+reference the C kernel is checked against when it loads.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import functools
 import torch
 
 from triollm.model.attention.kernel import DecodeKernel
+from triollm.model.attention.kv_storage import is_eight_bit
 from triollm.model.attention.metadata import visible_keys
 
 __all__ = ["compiled_paged_decode_attention", "paged_decode_attention"]
@@ -40,6 +41,8 @@ def paged_decode_attention(
     length = max_blocks * block_size
     q = query.reshape(batch, kv_heads, groups, dim).permute(1, 0, 2, 3)  # [Hkv, B, G, D]
     keys = key_cache[:, block_tables]  # [Hkv, B, max_blocks, block_size, D]
+    if is_eight_bit(key_cache.dtype):  # torch promotes no float8 type: widened first
+        keys = keys.to(query.dtype)
     scores = (q[:, :, :, None, None, :] * keys[:, :, None]).sum(-1)
     scores = scores.reshape(kv_heads, batch, groups, length) * scale
     if softcap is not None:
@@ -50,6 +53,8 @@ def paged_decode_attention(
     weights = torch.softmax(scores, dim=-1).reshape(
         kv_heads, batch, groups, max_blocks, block_size, 1)
     values = value_cache[:, block_tables][:, :, None]  # [Hkv, B, 1, max_blocks, bs, D]
+    if is_eight_bit(value_cache.dtype):
+        values = values.to(query.dtype)
     out = (weights * values).sum(dim=(3, 4))  # [Hkv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(batch, kv_heads * groups, dim)
 

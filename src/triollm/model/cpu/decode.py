@@ -8,7 +8,9 @@ function spends per layer. Work is split over (sequence, KV head)
 pairs on torch's OpenMP runtime with torch's thread count, so the compute-thread policy
 (``threads.py``) governs it too; while that policy computes on one thread beside
 busy cores, the AVX-512 path's pairs go to helpers.py's pool instead. Scores and
-sums are fp32; the cache may be fp32 or bf16.
+sums are fp32; the cache may be fp32, bf16, or 8-bit e5m2 or e4m3 (``--kv-cache-dtype``,
+csrc/fp8.h: widened as loaded on the AVX-512 path; on the portable one each block is
+widened to fp32 once for all the query heads of its group, not once per head).
 
 Two paths share the source. Where the compiler targets AVX-512 and the head size is a
 multiple of 16 (up to 256), one pass over the blocks keeps a query head's output row in
@@ -19,10 +21,11 @@ the portable one here too (``_build(portable=True)``), so CPUs without AVX-512 r
 that was checked.
 
 A step of decodes only takes one call a layer (``decode_step``): the step's keys and values
-are written into the cache, the queries read and the output written in the model's
-dtype with the strides the model's projections give them, all in C. Around the kernel
-the layer's torch path makes about ten calls (the cache writes, conversions, slicing, a
-copy out). Measured figures: docs/benchmarks.md.
+are written into the cache (rounded to its element type as torch casts), the queries
+read and the output written in the model's dtype with the strides the model's
+projections give them, all in C. Around the kernel the layer's torch path makes about
+ten calls (the cache writes, conversions, slicing, a copy out). Measured figures:
+docs/benchmarks.md.
 
 The kernel (``csrc/decode.c``) is compiled for the CPU it runs on (build.py). Without a
 working compiler ``load_kernel`` returns None and the runner falls back to the compiled
@@ -40,7 +43,11 @@ import torch
 from triollm.model.cpu.build import FLAGS, build, load_checked
 from triollm.model.cpu.helpers import PooledFunction
 
-__all__ = ["CpuDecodeKernel", "load_kernel"]
+__all__ = ["CACHE_KINDS", "CpuDecodeKernel", "load_kernel"]
+
+#: The cache element types the kernel reads, by the code csrc/decode.c knows them by.
+CACHE_KINDS: dict[torch.dtype, int] = {
+    torch.float32: 0, torch.bfloat16: 1, torch.float8_e5m2: 2, torch.float8_e4m3fn: 3}
 
 
 def _build(portable: bool = False) -> Path:
@@ -61,7 +68,7 @@ class CpuDecodeKernel:
         self._step = PooledFunction(
             library, "triollm_decode_step",
             ([pointer, i64, i64] * 4 + [pointer] * 5 + [i64] * 7
-             + [f32, i64, f32, ctypes.c_int, ctypes.c_int]),
+             + [f32, i64, f32, ctypes.c_int, ctypes.c_int, ctypes.c_int]),
             ctypes.c_int)
         self._vectorized = library.triollm_paged_decode_vectorized
         self._vectorized.argtypes = [ctypes.c_int64]
@@ -75,12 +82,13 @@ class CpuDecodeKernel:
         """A layer's attention for a step of decodes only, in one call: ``key`` and
         ``value`` (``[Hkv, T, D]``) written into the caches at ``slot_mapping``, then the
         queries (``[Hq, T, D]``) over their sequences; returns ``[Hq, T, D]`` laid out
-        as ``query`` is. The queries, keys and values must be in the caches' dtype with
-        contiguous heads, and the tables and lengths int64 and contiguous; where they
-        are not, returns None and writes nothing."""
-        dtype = key_cache.dtype
-        if not (query.dtype == key.dtype == value.dtype == value_cache.dtype == dtype
-                and dtype in (torch.float32, torch.bfloat16)
+        as ``query`` is. The queries, keys and values must be fp32 or bf16, in the caches'
+        dtype or over an 8-bit cache, with contiguous heads, and the tables and lengths
+        int64 and contiguous; where they are not, returns None and writes nothing."""
+        dtype, cache_dtype = query.dtype, key_cache.dtype
+        if not (key.dtype == value.dtype == dtype and dtype in (torch.float32, torch.bfloat16)
+                and value_cache.dtype == cache_dtype and cache_dtype in CACHE_KINDS
+                and (cache_dtype == dtype or key_cache.element_size() == 1)
                 and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
                 and key_cache.is_contiguous() and value_cache.is_contiguous()
                 and block_tables.dtype == context_lens.dtype == slot_mapping.dtype
@@ -98,7 +106,7 @@ class CpuDecodeKernel:
             slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), context_lens.data_ptr(), batch, q_heads, kv_heads,
             num_blocks, block_size, dim, block_tables.shape[1], scale, sliding_window or 0,
-            softcap or 0.0, int(dtype == torch.bfloat16))
+            softcap or 0.0, int(dtype == torch.bfloat16), CACHE_KINDS[cache_dtype])
         if failed:
             raise MemoryError("the CPU decode kernel could not allocate its scratch space")
         return out
@@ -112,10 +120,9 @@ class CpuDecodeKernel:
                  context_lens: torch.Tensor, scale: float, sliding_window: int | None,
                  softcap: float | None) -> torch.Tensor:
         """Single-token queries ``[B, Hq, D]`` over their sequences' blocks."""
-        if key_cache.dtype not in (torch.float32, torch.bfloat16) or (
-                value_cache.dtype != key_cache.dtype):
-            raise TypeError(f"the CPU decode kernel takes fp32 or bf16 caches, got "
-                            f"{key_cache.dtype}")
+        if key_cache.dtype not in CACHE_KINDS or value_cache.dtype != key_cache.dtype:
+            raise TypeError(f"the CPU decode kernel takes fp32, bf16, float8_e5m2 or "
+                            f"float8_e4m3fn caches, got {key_cache.dtype}")
         query = query.to(torch.float32).contiguous()
         tables = block_tables.to(torch.int64).contiguous()
         lens = context_lens.to(torch.int64).contiguous()
@@ -130,20 +137,21 @@ class CpuDecodeKernel:
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             tables.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, q_heads, kv_heads,
             num_blocks, block_size, dim, tables.shape[1], scale,
-            sliding_window or 0, softcap or 0.0, int(key_cache.dtype == torch.bfloat16))
+            sliding_window or 0, softcap or 0.0, CACHE_KINDS[key_cache.dtype])
         if failed:
             raise MemoryError("the CPU decode kernel could not allocate its scratch space")
         return out
 
 
 def _agrees_with_torch(kernel: CpuDecodeKernel) -> bool:
-    """The kernel's answer on small random inputs (GQA, a sliding window, softcap, fp32
-    and bf16 caches, head sizes that take each path) against ``paged_decode_attention``
-    run eagerly."""
+    """The kernel's answer on small random inputs (GQA, a sliding window, softcap, fp32,
+    bf16 and 8-bit caches, head sizes that take each path) against
+    ``paged_decode_attention`` run eagerly."""
     from triollm.model.attention.torch_decode import paged_decode_attention
 
     generator = torch.Generator().manual_seed(0)
-    cases = ((torch.float32, None, None), (torch.bfloat16, 9, 30.0))
+    cases = ((torch.float32, None, None), (torch.bfloat16, 9, 30.0),
+             (torch.float8_e5m2, None, None), (torch.float8_e4m3fn, 9, None))
     for dim in (8, 16, 64, 128):
         for dtype, window, softcap in cases:
             query = torch.randn(3, 4, dim, generator=generator)

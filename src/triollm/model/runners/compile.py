@@ -111,8 +111,9 @@ def choose_decode_attention(dummy: DummyDecodes, c_kernel: DecodeKernel | None,
         chosen = DecodeAttention(c_kernel, step, _UNLIMITED_PADDING_KEYS)
         if _runs(dummy, chosen):
             return chosen
-    if cache_dtype != torch.float32:
-        # checked against torch when it loaded, so this is a bug, not a toolchain
+    if cache_dtype in (torch.bfloat16, torch.float16):
+        # checked against torch when it loaded, so this is a bug, not a toolchain (an
+        # 8-bit cache is chosen whatever reads it: torch's path reads it too)
         raise RuntimeError(f"the CPU decode kernel failed its first run; the "
                            f"{cache_dtype} cache has no other decode path")
     chosen = DecodeAttention(compiled_paged_decode_attention, None, _KERNEL_PADDING_KEYS)

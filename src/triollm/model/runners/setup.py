@@ -106,6 +106,6 @@ def num_kv_blocks(config: EngineConfig, specs: dict[int, KVCacheSpec],
             f"tokens, fewer than one sequence of max_model_len={max_model_len} needs "
             f"({needed}); lower max_model_len or give the cache more memory "
             f"(kv_cache_space_gb / gpu_memory_utilization / num_gpu_blocks_override)")
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", blocks, block_size,
-                blocks * per_block / 2**20)
+    logger.info("KV cache: %d blocks of %d tokens in %s (%.1f MiB)", blocks, block_size,
+                str(cache_dtype).removeprefix("torch."), blocks * per_block / 2**20)
     return blocks

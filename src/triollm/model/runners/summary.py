@@ -55,7 +55,7 @@ def log_summary(config: EngineConfig, model: nn.Module, kv_cache: PagedKVCache,
         "engine ready: dtype %s, KV cache %s, %d blocks of %d tokens (%.1f MiB), "
         "max_model_len %d, max_num_seqs %d%s, optimization level %d (%s), decode "
         "attention: %s, %d linear layers packed",
-        _dtype(config.model.dtype), _dtype(cache_dtype), kv_cache.num_blocks,
+        _dtype(config.model.dtype), _kv_dtype(config, cache_dtype), kv_cache.num_blocks,
         kv_cache.block_size, cache_bytes / 2**20, config.model.max_model_len,
         config.scheduler.max_num_seqs, thread_text, config.model.optimization_level, mode,
         attention_name(attention), packed)
@@ -78,3 +78,9 @@ def log_pooling_summary(config: EngineConfig, model: nn.Module, task: str,
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _kv_dtype(config: EngineConfig, dtype: torch.dtype) -> str:
+    """The cache's element type, and the ``--kv-cache-dtype`` that chose it if not auto."""
+    chosen = config.cache.cache_dtype
+    return _dtype(dtype) + ("" if chosen == "auto" else f" (--kv-cache-dtype {chosen})")

@@ -21,6 +21,7 @@ import torch
 
 from triollm.config import EngineConfig
 from triollm.model.attention.kernel import DecodeKernel
+from triollm.model.attention.kv_storage import cache_storage_dtype
 from triollm.model.attention.metadata import KVCacheSpec, PagedKVCache
 from triollm.model.attention.paged import ATTENTION_NAME
 from triollm.model.cpu.decode import load_kernel
@@ -83,10 +84,12 @@ class TorchModelRunner:
         # faster in fp32 than in bf16). The cache keeps the model's dtype where the C
         # decode kernel reads it (bf16 keys and values lose nothing stored as bf16, and
         # take half the memory); without that kernel, decode gathers blocks for SDPA,
-        # so the cache is fp32 too.
+        # so the cache is fp32 too. --kv-cache-dtype fp8* stores it in 8 bits whatever
+        # reads it (model/attention/kv_storage.py).
         on_cpu = self.device.type == "cpu"
         cpu_kernel = load_kernel() if on_cpu and not model_config.enforce_eager else None
-        self.cache_dtype = torch.float32 if on_cpu and cpu_kernel is None else self.dtype
+        self.cache_dtype = cache_storage_dtype(config.cache.cache_dtype) or (
+            torch.float32 if on_cpu and cpu_kernel is None else self.dtype)
         self.block_size = config.cache.block_size
         self.model = load_model(
             model_config.model,
