@@ -24,7 +24,12 @@ from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import AsyncEngineArgs, AsyncLLMEngine, EngineArgs, SamplingParams
 from triollm.model.cpu.build import trusted_cache_dir
 from triollm.model.cpu.threads import ComputeThreads
-from triollm.model.runners import background_compile, compile_cache, torch_runner
+from triollm.model.runners import (
+    background_compile,
+    compile_cache,
+    compile_process,
+    torch_runner,
+)
 from triollm.model.runners import compile as runner_compile
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -81,15 +86,25 @@ class GatedProcess:
         monkeypatch.setenv("TRIOLLM_CACHE", str(cache))
         monkeypatch.setenv(compile_cache.ENVIRONMENT_VARIABLE, os.environ.get(
             compile_cache.ENVIRONMENT_VARIABLE) or str(trusted_cache_dir("torch")))
+        #: the server's cache key, and the one the compile process reported
+        self.keys: list[str] = []
         real = background_compile.run_compile_process
+        follow = compile_process._follow
 
         def gated(job: Any, stop: Callable[[], bool]) -> bool:
+            self.keys.append(job.key)
             self.entered.set()
             while not self.release.wait(0.01) and not stop():
                 pass
             return real(job, stop)
 
+        def followed(*args: Any) -> Any:
+            result, tail = follow(*args)
+            self.keys.append(result["key"])
+            return result, tail
+
         monkeypatch.setattr(background_compile, "run_compile_process", gated)
+        monkeypatch.setattr(compile_process, "_follow", followed)
 
 
 async def greedy_tokens(engine: AsyncLLMEngine, tag: str) -> list[list[int]]:
@@ -152,6 +167,8 @@ async def test_a_compile_process_builds_what_the_server_loads_and_switches_to_id
             assert len(compile_threads()) == 0 and compile_processes() == []
     # loaded under the server's own key what the process (zero weights) compiled, and
     # checked against the real weights' eager logits
+    server_key, process_key = gate.keys
+    assert process_key == server_key == decoder.directory.name
     assert (decoder.loaded, decoder.compiled) == (2, 0)
     assert "compile process: compiling the model: 2/2" in caplog.text
     assert "compiling the model failed" not in caplog.text
