@@ -68,8 +68,8 @@ def model_with_zero_weights(config: ModelConfig) -> PreTrainedModel:
     return model.to(config.device).eval()
 
 
-@torch.inference_mode()
 def _build(job: CompileJob) -> dict[str, object]:
+    """Set the model up as the runner does (outside inference mode, as there), compile."""
     config = job.config
     model_config = config.model
     started = time.perf_counter()
