@@ -133,7 +133,7 @@ def run_compile_process(job: CompileJob, stop: Callable[[], bool],
                        "model runs eagerly", result.get("key"), job.key)
         return False
     if result is None or child.returncode != 0:
-        logger.warning("the compile process failed (exit code %s%s); the model runs eagerly",
+        logger.warning("the compile process failed (exit code %s); the model runs eagerly%s",
                        child.returncode, "".join(f"\n  {line}" for line in tail))
         return False
     logger.info("the compile process built the compiled model in %.1f s",
