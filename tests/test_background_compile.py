@@ -82,8 +82,10 @@ class GatedProcess:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
         self.release = threading.Event()
         self.entered = threading.Event()
-        shutil.copytree(trusted_cache_dir(), cache / "kernels")
         monkeypatch.setenv("TRIOLLM_CACHE", str(cache))
+        # a compile process even where an earlier test's left the compiled model: it
+        # then loads it, and reports its key, instead of compiling it again
+        monkeypatch.setattr(background_compile, "has_artifacts", lambda *args: False)
         monkeypatch.setenv(compile_cache.ENVIRONMENT_VARIABLE, os.environ.get(
             compile_cache.ENVIRONMENT_VARIABLE) or str(trusted_cache_dir("torch")))
         #: the server's cache key, and the one the compile process reported
@@ -142,11 +144,20 @@ def compile_processes() -> list[int]:
     return children
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A triollm cache root with the session's C kernels and no compiled model: the
+    first compile process compiles it; later ones (the other async backend) load it."""
+    cache = tmp_path_factory.mktemp("compile-cache")
+    shutil.copytree(trusted_cache_dir(), cache / "kernels")
+    return cache
+
+
 @pytest.mark.anyio
 async def test_a_compile_process_builds_what_the_server_loads_and_switches_to_idle(
-        llama_path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        llama_path: Path, monkeypatch: pytest.MonkeyPatch, shared_cache: Path,
         caplog: pytest.LogCaptureFixture) -> None:
-    gate = GatedProcess(monkeypatch, tmp_path)
+    gate = GatedProcess(monkeypatch, shared_cache)
     with caplog.at_level(logging.INFO, logger="triollm.model.runners"):
         async with engine_for(llama_path) as engine:
             await anyio.to_thread.run_sync(gate.entered.wait)
@@ -166,7 +177,7 @@ async def test_a_compile_process_builds_what_the_server_loads_and_switches_to_id
             decoder = engine._core.runner.model.get_decoder()._compiled_call_impl
             assert len(compile_threads()) == 0 and compile_processes() == []
     # loaded under the server's own key what the process (zero weights) compiled, and
-    # checked against the real weights' eager logits
+    # checked against the real weights' eager logits (the first backend's compile)
     server_key, process_key = gate.keys
     assert process_key == server_key == decoder.directory.name
     assert (decoder.loaded, decoder.compiled) == (2, 0)

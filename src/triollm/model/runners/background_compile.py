@@ -85,8 +85,8 @@ def background_build(dummy: DummyDecodes, attention: DecodeAttention, plan: Comp
         return lambda stop: build_compiled(dummy, attention, plan, dtype, stop)
     job = CompileJob(config, plan.counts, cache_dtype, key)
     saved = has_artifacts(directory, plan.counts)
-    logger.info("%s the compiled model in the background (%d shapes%s); serving eagerly "
-                "meanwhile", "loading" if saved else "compiling", shapes,
+    logger.info("%s in the background (%d shapes%s); serving eagerly meanwhile",
+                "loading the compiled model" if saved else "compiling the model", shapes,
                 "" if saved else ", in a process of its own")
 
     def build(stop: Callable[[], bool]) -> bool:
