@@ -17,6 +17,7 @@ took to load the compiled model, and the longest token gap within that load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -75,10 +76,16 @@ def main() -> None:
                     arrivals.append(time.monotonic() - started)
         requests.append((begun, time.monotonic() - started, arrivals))
 
+    failures: list[str] = []
+
     def client_loop() -> None:
         with httpx.Client(timeout=300) as client:
             while not stop.is_set():
-                one(client)
+                try:
+                    one(client)
+                except httpx.HTTPError as error:
+                    failures.append(f"{time.monotonic() - started:.1f} s: {error!r}")
+                    time.sleep(0.5)
 
     load = LoadSampler(set())
     first: float | None = None
@@ -95,21 +102,25 @@ def main() -> None:
         for thread in clients:
             thread.start()
         deadline = time.monotonic() + args.compile_wait
-        while time.monotonic() < deadline and switch is None:
+        while time.monotonic() < deadline and switch is None and server.poll() is None:
             if COMPILED.search(log_path.read_text(errors="replace")):
                 switch = time.monotonic() - started
             time.sleep(0.2)
-        time.sleep(args.after_seconds)
+        if server.poll() is None:
+            time.sleep(args.after_seconds)
         stop.set()
         for thread in clients:
             thread.join()
     finally:
         others = load.others_cores()
-        os.killpg(server.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
         server.wait(60)
     text = log_path.read_text(errors="replace")
     loaded = LOADED.search(text)
     result = {"first_answer_s": first, "switch_s": switch,
+              "server_exit": server.returncode, "failed_requests": len(failures),
+              "first_failure": failures[0] if failures else None,
               "load_s": float(loaded.group(1)) if loaded else None,
               "others_cores": others, "log": str(log_path),
               "during": summary(requests, first, switch or float("inf")),
