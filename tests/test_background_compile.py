@@ -1,6 +1,6 @@
 """The async engine serves eagerly while the model compiles in the background, and
 switches to the compiled forward at a step boundary, idle too: a compile process builds
-the saved artifacts over zero weights under the serving process's own key, which then
+the saved artifacts under the serving process's own key, which then
 loads them (the same greedy tokens before and after the switch); where nothing is saved
 a thread compiles, which never outlives the engine (closed mid-compile too), and a
 failed compile leaves it eager; ``LLM`` still compiles before it returns; torch's
@@ -176,8 +176,8 @@ async def test_a_compile_process_builds_what_the_server_loads_and_switches_to_id
             assert engine._core is not None
             decoder = engine._core.runner.model.get_decoder()._compiled_call_impl
             assert len(compile_threads()) == 0 and compile_processes() == []
-    # loaded under the server's own key what the process (zero weights) compiled, and
-    # checked against the real weights' eager logits (the first backend's compile)
+    # loaded under the server's own key what the process compiled (the first backend's
+    # compile; the other's process loaded it), and checked against the eager logits
     server_key, process_key = gate.keys
     assert process_key == server_key == decoder.directory.name
     assert (decoder.loaded, decoder.compiled) == (2, 0)

@@ -12,7 +12,7 @@ those with quantized layers), the thread does not compile: a compile process doe
 (dynamo traces and inductor generates code in Python: a compile thread of the serving
 process held its GIL long enough to stall a step for seconds). The thread waits for the
 process without holding the GIL, then loads the artifacts as a warm restart does and
-checks the compiled forward against the eager logits (the process's weights are zero).
+checks the compiled forward against the eager logits.
 Where they are not saved (quantized layers, or no private cache directory), the thread
 compiles the model itself (dynamo's compile, compile.py). Either way it is safe beside
 the serving model thread because:
