@@ -2,9 +2,11 @@
 
 dynamo traces the decoder in Python and inductor generates its code in Python too, so a
 compile thread of the serving process holds the GIL for much of a cold compile and the
-model thread's steps wait for it. So where the compiled decoder is saved as AOT
-artifacts (precompiled.py), a child process builds them into the cache (``python -m
-triollm.model.runners.compile_child``, at ``nice`` ``NICENESS``), and the serving
+model thread's steps wait for it (and a torch.fx trace patches ``nn.Module.__call__``
+process-wide, which broke the model thread's eager forward). So where the compiled
+decoder is saved as AOT artifacts (precompiled.py), a child process builds them into the
+cache (``python -m triollm.model.runners.compile_child``, at ``nice`` ``NICENESS``,
+started by ``subprocess``: no fork of a process with torch's threads), and the serving
 process then loads them as a warm restart does.
 
 The job crosses on the child's stdin as a pickle (``CompileJob``: the engine config, the
@@ -16,8 +18,8 @@ last line says what it built (``RESULT_PREFIX``, then JSON).
 Lifetime: the child leads a process group of its own (its compiler workers are in it);
 ``run_compile_process`` checks ``stop`` between reads and, once it is true, ends the
 group (SIGTERM, then SIGKILL after ``TERMINATE_SECONDS``) and reaps the child. Should the
-serving process die first, the child dies with it (``PR_SET_PDEATHSIG``, and a check of
-its parent's pid: compile_child.py). A child that fails or is killed is a warning, and
+serving process die first, the child dies with it (``die_with_parent``:
+``PR_SET_PDEATHSIG``, and a check of its parent's pid). A child that fails or is killed is a warning, and
 the model stays eager.
 """
 
