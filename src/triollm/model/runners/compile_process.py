@@ -19,8 +19,8 @@ Lifetime: the child leads a process group of its own (its compiler workers are i
 ``run_compile_process`` checks ``stop`` between reads and, once it is true, ends the
 group (SIGTERM, then SIGKILL after ``TERMINATE_SECONDS``) and reaps the child. Should the
 serving process die first, the child dies with it (``die_with_parent``:
-``PR_SET_PDEATHSIG``, and a check of its parent's pid). A child that fails or is killed is a warning, and
-the model stays eager.
+``PR_SET_PDEATHSIG``, and a check of its parent's pid). A child that fails or is
+killed is a warning, and the model stays eager.
 """
 
 from __future__ import annotations
