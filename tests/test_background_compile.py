@@ -1,13 +1,16 @@
-"""The async engine serves eagerly while a thread of the runner's compiles the model, and
-switches to the compiled forward at a step boundary: the same greedy tokens before and
-after the switch, a compile thread that never outlives the engine (closed mid-compile
-too), a failed compile that leaves it eager; ``LLM`` still compiles before it returns;
-torch's compile caches kept private under triollm's cache root."""
+"""The async engine serves eagerly while the model compiles in the background, and
+switches to the compiled forward at a step boundary, idle too: a compile process builds
+the saved artifacts under the serving process's own key, which then
+loads them (the same greedy tokens before and after the switch); where nothing is saved
+a thread compiles, which never outlives the engine (closed mid-compile too), and a
+failed compile leaves it eager; ``LLM`` still compiles before it returns; torch's
+compile caches kept private under triollm's cache root."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import threading
 from collections.abc import Callable
@@ -19,8 +22,14 @@ import pytest
 
 from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import AsyncEngineArgs, AsyncLLMEngine, EngineArgs, SamplingParams
+from triollm.model.cpu.build import trusted_cache_dir
 from triollm.model.cpu.threads import ComputeThreads
-from triollm.model.runners import background_compile, compile_cache, torch_runner
+from triollm.model.runners import (
+    background_compile,
+    compile_cache,
+    compile_process,
+    torch_runner,
+)
 from triollm.model.runners import compile as runner_compile
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -58,8 +67,46 @@ class GatedCompile:
             return wait_then_compile
 
         monkeypatch.setattr(runner_compile, "_inductor_with_shared_input_calls_fused", gated)
-        # nothing loaded from the compiled-model cache: every shape reaches the backend
+        # nothing loaded from the compiled-model cache: every shape reaches the backend,
+        # in the compile thread
         monkeypatch.setattr(runner_compile, "cache_directory", lambda key: None)
+        monkeypatch.setattr(background_compile, "saves_artifacts", lambda model: False)
+
+
+class GatedProcess:
+    """Holds the compile thread before it starts the compile process until ``release``
+    is set; ``entered`` is set once it got there. triollm's cache root is ``cache``
+    (no compiled model: the process compiles), with the session's C kernels and torch
+    caches."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        monkeypatch.setenv("TRIOLLM_CACHE", str(cache))
+        # a compile process even where an earlier test's left the compiled model: it
+        # then loads it, and reports its key, instead of compiling it again
+        monkeypatch.setattr(background_compile, "has_artifacts", lambda *args: False)
+        monkeypatch.setenv(compile_cache.ENVIRONMENT_VARIABLE, os.environ.get(
+            compile_cache.ENVIRONMENT_VARIABLE) or str(trusted_cache_dir("torch")))
+        #: the server's cache key, and the one the compile process reported
+        self.keys: list[str] = []
+        real = background_compile.run_compile_process
+        follow = compile_process._follow
+
+        def gated(job: Any, stop: Callable[[], bool]) -> bool:
+            self.keys.append(job.key)
+            self.entered.set()
+            while not self.release.wait(0.01) and not stop():
+                pass
+            return real(job, stop)
+
+        def followed(*args: Any) -> Any:
+            result, tail = follow(*args)
+            self.keys.append(result["key"])
+            return result, tail
+
+        monkeypatch.setattr(background_compile, "run_compile_process", gated)
+        monkeypatch.setattr(compile_process, "_follow", followed)
 
 
 async def greedy_tokens(engine: AsyncLLMEngine, tag: str) -> list[list[int]]:
@@ -83,20 +130,59 @@ async def wait_until_compiled(engine: AsyncLLMEngine) -> None:
     assert not engine.statistics().compiling
 
 
+def compile_processes() -> list[int]:
+    """This process's children running the compile process."""
+    children = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_path.read_text().rsplit(")", 1)[1].split()
+            command = (stat_path.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and b"compile_child" in command:
+            children.append(int(stat_path.parent.name))
+    return children
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A triollm cache root with the session's C kernels and no compiled model: the
+    first compile process compiles it; later ones (the other async backend) load it."""
+    cache = tmp_path_factory.mktemp("compile-cache")
+    shutil.copytree(trusted_cache_dir(), cache / "kernels")
+    return cache
+
+
 @pytest.mark.anyio
-async def test_requests_before_and_after_the_switch_give_the_eager_greedy_tokens(
-        llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = GatedCompile(monkeypatch)
-    async with engine_for(llama_path) as engine:
-        await anyio.to_thread.run_sync(gate.entered.wait)
-        during = await greedy_tokens(engine, "during")
-        stats = engine.statistics()
-        assert stats.compiling and not stats.compiled_forward
-        gate.release.set()
-        await wait_until_compiled(engine)
-        after = await greedy_tokens(engine, "after")
-        assert engine.statistics().compiled_forward
-        assert len(compile_threads()) == 0
+async def test_a_compile_process_builds_what_the_server_loads_and_switches_to_idle(
+        llama_path: Path, monkeypatch: pytest.MonkeyPatch, shared_cache: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    gate = GatedProcess(monkeypatch, shared_cache)
+    with caplog.at_level(logging.INFO, logger="triollm.model.runners"):
+        async with engine_for(llama_path) as engine:
+            await anyio.to_thread.run_sync(gate.entered.wait)
+            during = await greedy_tokens(engine, "during")
+            stats = engine.statistics()
+            assert stats.compiling and not stats.compiled_forward
+            gate.release.set()
+            await wait_until_compiled(engine)
+            # no request: the idle engine switches on its own
+            with anyio.fail_after(30):
+                while True:
+                    if engine.statistics().compiled_forward:
+                        break
+                    await anyio.sleep(0.05)
+            after = await greedy_tokens(engine, "after")
+            assert engine._core is not None
+            decoder = engine._core.runner.model.get_decoder()._compiled_call_impl
+            assert len(compile_threads()) == 0 and compile_processes() == []
+    # loaded under the server's own key what the process compiled (the first backend's
+    # compile; the other's process loaded it), and checked against the eager logits
+    server_key, process_key = gate.keys
+    assert process_key == server_key == decoder.directory.name
+    assert (decoder.loaded, decoder.compiled) == (2, 0)
+    assert "compile process: compiling the model: 2/2" in caplog.text
+    assert "compiling the model failed" not in caplog.text
     assert during == reference(llama_path)
     assert after == reference(llama_path)
 
@@ -123,7 +209,8 @@ async def test_an_error_in_the_compile_thread_leaves_the_engine_serving_eagerly(
     def broken(*args: Any) -> bool:
         raise RuntimeError("the compiler vanished")
 
-    monkeypatch.setattr(torch_runner, "build_compiled", broken)
+    monkeypatch.setattr(background_compile, "saves_artifacts", lambda model: False)
+    monkeypatch.setattr(background_compile, "build_compiled", broken)
     with caplog.at_level(logging.WARNING, logger=background_compile.__name__):
         async with engine_for(llama_path) as engine:
             await wait_until_compiled(engine)

@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 RunnerFactory = Callable[[], "ModelRunner"]
 _DEFAULT_STREAM_BUFFER = 1
+#: While idle with a background compile pending, how often the engine lets the runner
+#: switch to the compiled forward (which it otherwise does at the next step).
+_COMPILE_POLL_SECONDS = 0.5
 
 
 def _raise_unwrapped(group: BaseExceptionGroup[BaseException]) -> NoReturn:
@@ -266,7 +269,7 @@ class AsyncLLMEngine(AsyncEngineRequests):
                         raise RuntimeError("the scheduler can make no progress")
                     if scheduler_output.finished_request_ids:  # the runner drops their state
                         await worker.run_sync(runner.execute_model, scheduler_output)
-                    await self._wait_for_work(core)
+                    await self._wait_for_work(core, runner, worker)
                     continue
                 scheduler_output, job = in_flight.popleft()
                 runner_output = await job.wait()
@@ -290,10 +293,18 @@ class AsyncLLMEngine(AsyncEngineRequests):
                 with suppress(Exception):
                     await job.wait()
 
-    async def _wait_for_work(self, core: EngineCore) -> None:
+    async def _wait_for_work(self, core: EngineCore, runner: ModelRunner,
+                             worker: ModelWorker) -> None:
         while not core.has_unfinished_requests():
             self._work_available = anyio.Event()
-            await self._work_available.wait()
+            if not getattr(runner, "switch_pending", False):
+                await self._work_available.wait()
+                continue
+            with anyio.move_on_after(_COMPILE_POLL_SECONDS):
+                await self._work_available.wait()
+            switch = getattr(runner, "switch_when_compiled", None)
+            if switch is not None and not getattr(runner, "compiling", True):
+                await worker.run_sync(switch)
 
     def _deliver(self, output: EngineOutput) -> None:
         if self._channels.deliver(output) and self.log_requests:

@@ -18,6 +18,7 @@ made dynamo run the forward eagerly, where the paged attention has no metadata.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import types
@@ -46,8 +47,9 @@ from triollm.model.quantization.linear import QuantizedLinear
 from triollm.model.runners.batch import DecodeAttention, decode_groups, run_forward
 from triollm.model.runners.precompiled import PrecompiledDecoder, artifact_key, cache_directory
 
-__all__ = ["CompilePlan", "CompileStopped", "DummyDecodes", "build_compiled",
-           "choose_decode_attention", "compile_model", "plan_compile"]
+__all__ = ["SCRATCH_BLOCKS", "CompilePlan", "CompileStopped", "DummyDecodes", "build_compiled",
+           "choose_decode_attention", "compile_key", "compile_model", "plan_compile",
+           "saves_artifacts"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ logger = logging.getLogger(__name__)
 _KERNEL_PADDING_KEYS = 512
 #: The C kernel reads each row's own blocks only: one call for every decode.
 _UNLIMITED_PADDING_KEYS = 1 << 40
+#: Blocks of a background compile's scratch KV cache: its dummy decodes use block 0 only.
+SCRATCH_BLOCKS = 2
 
 
 class DummyDecodes:
@@ -190,18 +194,20 @@ class CompilePlan:
 
 @torch.inference_mode()
 def plan_compile(dummy: DummyDecodes, attention: DecodeAttention,
-                 threads: ComputeThreads) -> CompilePlan:
+                 counts: list[int]) -> CompilePlan:
     """Run the dummy decodes eagerly, recording which linear layers share an input, and
-    group those layers' weights (one tensor each group: the model must not be serving)."""
+    group those layers' weights (one tensor each group: the model must not be serving);
+    ``counts``: the thread counts to compile for (``ComputeThreads.ladder``)."""
     with recording_calls(dummy.model) as calls:
         expected = dummy.run(attention, compiled=False)
     grouped = group_weights_of_shared_inputs(calls)
-    return CompilePlan(threads.ladder(), expected, grouped)
+    return CompilePlan(list(counts), expected, grouped)
 
 
 @torch.inference_mode()
 def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: CompilePlan,
-                   dtype: torch.dtype, stop: Callable[[], bool] = lambda: False) -> bool:
+                   dtype: torch.dtype, stop: Callable[[], bool] = lambda: False,
+                   load_only: bool = False) -> bool:
     """Put the decoder (the model less its head) through ``torch.compile``, dynamic in
     the step's token count, and compile it now for every shape and thread count it
     will meet: one token, several tokens (any number: the attention and the packed
@@ -209,7 +215,9 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
     compiled code is specialised to the thread count. The compiled forward must give
     the eager one's logits; if compiling fails or it does not, the model stays eager
     (returns False, with a warning). ``stop()``, checked between compiles, gives up
-    quietly. Sets this thread's torch thread count."""
+    quietly. ``load_only``: load every function from the cache (a compile process
+    saved them), compiling none: a missing or broken one leaves the model eager. Sets
+    this thread's torch thread count."""
     decoder = dummy.model.get_decoder()
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(plan.counts) + 2)
@@ -218,11 +226,8 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
     backend = _inductor_with_shared_input_calls_fused(stop)
     # the saved (AOT) compile first; where it fails, dynamo's, which traces every start
     precompiled: PrecompiledDecoder | None = None
-    attempts = ["saved", "saved again", "dynamo"]
-    if any(isinstance(module, QuantizedLinear) for module in dummy.model.modules()):
-        # their handles are the process's, not the model's: a saved graph would name
-        # another process's layers
-        attempts = ["dynamo"]
+    attempts = (["load"] if load_only else ["saved", "saved again", "dynamo"]
+                if saves_artifacts(dummy.model) else ["dynamo"])
     while attempts:
         attempt = attempts.pop(0)
         try:
@@ -231,7 +236,8 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
                 _compile_on_own_code(decoder, dynamic=True, backend=backend)
             else:
                 precompiled = PrecompiledDecoder(
-                    decoder, cache_directory(_key(dummy, attention, dtype)), backend)
+                    decoder, cache_directory(compile_key(dummy, attention, dtype)), backend,
+                    load_only=attempt == "load")
                 decoder._compiled_call_impl = precompiled
             _compile_shapes(dummy, attention, shapes, plan.expected, dtype, stop)
             break
@@ -239,6 +245,12 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
             decoder._compiled_call_impl = None
             if isinstance(error, CompileStopped) or stop():  # dynamo may wrap it
                 logger.info("compiling the model stopped: the engine is shutting down")
+                return False
+            if attempt == "load":
+                logger.warning("loading the compiled model failed (%s: %s)",
+                               type(error).__name__, error)
+                if precompiled is not None:
+                    precompiled.discard()
                 return False
             if attempt == "saved" and precompiled is not None and precompiled.loaded:
                 logger.warning("the compiled model loaded from the cache failed (%s: %s); "
@@ -266,12 +278,23 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
     return True
 
 
-def _key(dummy: DummyDecodes, attention: DecodeAttention, dtype: torch.dtype) -> str:
+def saves_artifacts(model: nn.Module) -> bool:
+    """Whether ``model``'s compiled decoder is saved as AOT artifacts (precompiled.py):
+    not with quantized layers, whose handles are the process's, not the model's (a
+    saved graph would name another process's layers); dynamo's compile instead."""
+    return not any(isinstance(module, QuantizedLinear) for module in model.modules())
+
+
+def compile_key(dummy: DummyDecodes, attention: DecodeAttention, dtype: torch.dtype) -> str:
+    """The cache key of the compiled decoder of ``dummy``'s model with ``attention``
+    (precompiled.artifact_key), with its groups of linear layers (``plan_compile``)."""
     kernel = attention.kernel
+    weights = packed_weights_of(dummy.model)
+    groups = sorted(weights.groups.items()) if weights is not None else []
     return artifact_key(dummy.model, dtype,
                         getattr(kernel, "__qualname__", type(kernel).__qualname__),
                         str(attention.step is not None), str(attention.padding_keys),
-                        str(dummy.kv_cache.keys[0].dtype))
+                        str(dummy.kv_cache.keys[0].dtype), json.dumps(groups))
 
 
 def _compile_shapes(dummy: DummyDecodes, attention: DecodeAttention,
@@ -299,7 +322,7 @@ def compile_model(dummy: DummyDecodes, attention: DecodeAttention, threads: Comp
     """Compile the model now, before it serves (``plan_compile``, then
     ``build_compiled``), and keep the thread policy to the counts compiled for."""
     try:
-        plan = plan_compile(dummy, attention, threads)
+        plan = plan_compile(dummy, attention, threads.ladder())
     except Exception as error:
         logger.warning("compiling the model failed (%s: %s); it runs eagerly",
                        type(error).__name__, error)

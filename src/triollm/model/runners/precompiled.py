@@ -48,7 +48,8 @@ from triollm.model.cpu.build import cpu_signature, trusted_cache_dir
 from triollm.model.cpu.packed_linear import PackedLinear, packed_weights, packed_weights_of
 from triollm.model.cpu.private_cache import untrusted_library
 
-__all__ = ["CACHE_NAME", "PrecompiledDecoder", "artifact_key", "cache_directory"]
+__all__ = ["CACHE_NAME", "PrecompiledDecoder", "artifact_key", "cache_directory",
+           "has_artifacts"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,13 +100,15 @@ class PrecompiledDecoder:
     """``decoder``'s compiled call: within a compiled forward (``forward_metadata`` set
     on the calling thread), the function for this thread count and token count, loaded
     from ``directory`` or compiled (then saved there) at its first call; elsewhere the
-    eager module. ``directory`` None: compile without saving."""
+    eager module. ``directory`` None: compile without saving. ``load_only``: a function
+    not in the cache is a ``FileNotFoundError``, not compiled."""
 
     def __init__(self, decoder: nn.Module, directory: Path | None,
-                 backend: Callable[..., Any]) -> None:
+                 backend: Callable[..., Any], *, load_only: bool = False) -> None:
         self.decoder = decoder
         self.directory = directory
         self.backend = backend
+        self.load_only = load_only
         #: How many functions came from the cache, and how many were compiled.
         self.loaded = 0
         self.compiled = 0
@@ -127,10 +130,7 @@ class PrecompiledDecoder:
             return function(self.decoder, *args, **kwargs)
 
     def _path(self, key: tuple[int, bool]) -> Path | None:
-        if self.directory is None:
-            return None
-        threads, one = key
-        return self.directory / f"{threads}-threads-{'one' if one else 'many'}-tokens.bin"
+        return None if self.directory is None else _artifact(self.directory, *key)
 
     def _load(self, key: tuple[int, bool]) -> Callable[..., Any] | None:
         path = self._path(key)
@@ -161,6 +161,8 @@ class PrecompiledDecoder:
 
     def _compile(self, key: tuple[int, bool], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Callable[..., Any]:
+        if self.load_only:
+            raise FileNotFoundError(f"no compiled model at {self._path(key)}")
         compiler = torch.compile(types.MethodType(self._code, self.decoder), fullgraph=True,
                                  dynamic=True, backend=self.backend,
                                  options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
@@ -204,6 +206,17 @@ class PrecompiledDecoder:
                     path.unlink()
                 except FileNotFoundError:
                     pass
+
+
+def _artifact(directory: Path, threads: int, one: bool) -> Path:
+    return directory / f"{threads}-threads-{'one' if one else 'many'}-tokens.bin"
+
+
+def has_artifacts(directory: Path, counts: list[int]) -> bool:
+    """Whether ``directory`` holds a saved function for each thread count of ``counts``,
+    for one token and for several."""
+    return all(_artifact(directory, count, one).exists()
+               for count in counts for one in (True, False))
 
 
 def cache_directory(key: str) -> Path | None:

@@ -30,11 +30,11 @@ from triollm.model.cpu.threads import ComputeThreads
 from triollm.model.draft_verify import continue_drafts
 from triollm.model.loader import load_model
 from triollm.model.lora.manager import LoRAManager
-from triollm.model.runners.background_compile import BackgroundCompile
+from triollm.model.runners.background_compile import BackgroundCompile, background_build
 from triollm.model.runners.batch import DecodeAttention, prepare_batch, run_forward
 from triollm.model.runners.compile import (
+    SCRATCH_BLOCKS,
     DummyDecodes,
-    build_compiled,
     choose_decode_attention,
     compile_model,
     plan_compile,
@@ -53,9 +53,6 @@ if TYPE_CHECKING:
 __all__ = ["TorchModelRunner"]
 
 logger = logging.getLogger(__name__)
-
-#: Blocks of the compile thread's scratch KV cache: its dummy decodes use block 0 only.
-_SCRATCH_BLOCKS = 2
 
 
 @dataclass
@@ -159,25 +156,24 @@ class TorchModelRunner:
         """Start the compile thread (background_compile.py) over a scratch cache of its
         own; None (the model stays eager) where planning the compile fails."""
         assert self.compute_threads is not None
-        scratch = PagedKVCache(specs, _SCRATCH_BLOCKS, self.block_size, self.cache_dtype,
+        scratch = PagedKVCache(specs, SCRATCH_BLOCKS, self.block_size, self.cache_dtype,
                                self.device)
         dummy = DummyDecodes(self.model, scratch, self.config, specs)
         try:
-            plan = plan_compile(dummy, self.decode_attention, self.compute_threads)
+            plan = plan_compile(dummy, self.decode_attention, self.compute_threads.ladder())
         except Exception as error:
             logger.warning("compiling the model failed (%s: %s); it runs eagerly",
                            type(error).__name__, error)
             return None
         self._compile_counts = plan.counts
-        attention, dtype = self.decode_attention, self.dtype
-        logger.info("compiling the model in the background (%d shapes); serving eagerly "
-                    "meanwhile", 2 * len(plan.counts))
-        return BackgroundCompile(
-            lambda stop: build_compiled(dummy, attention, plan, dtype, stop))
+        return BackgroundCompile(background_build(dummy, self.decode_attention, plan,
+                                                  self.config, self.cache_dtype))
 
-    def _switch_when_compiled(self) -> None:
+    def switch_when_compiled(self) -> None:
         """At a step boundary, in the model thread: take the compiled forward once the
-        compile thread has built and checked it (or forget the thread if it failed)."""
+        compile thread has built and checked it (or forget the thread if it failed).
+        ``execute_model`` calls it first; the engine calls it while idle, so that an
+        idle server switches too."""
         background = self._background
         if background is None or not background.done:
             return
@@ -202,6 +198,12 @@ class TorchModelRunner:
         return self._background is not None and not self._background.done
 
     @property
+    def switch_pending(self) -> bool:
+        """Whether a background compile has not been switched to or forgotten yet
+        (``switch_when_compiled``)."""
+        return self._background is not None
+
+    @property
     def decode_kernel(self) -> DecodeKernel | None:
         """The CPU decode attention's kernel; None: gather the blocks, then SDPA."""
         return self.decode_attention.kernel
@@ -214,7 +216,7 @@ class TorchModelRunner:
         for request_id in scheduler_output.finished_request_ids:
             self._requests.pop(request_id, None)
         if self._background is not None:
-            self._switch_when_compiled()
+            self.switch_when_compiled()
         if scheduler_output.is_empty:
             return RunnerOutput()
         if self.compute_threads is not None:
