@@ -44,8 +44,7 @@ def _engine_in_a_new_process(model: Path, cache: Path) -> tuple[dict[str, object
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
-def test_a_restart_loads_the_compiled_model_and_refuses_a_bad_artifact(
-        llama_path: Path, tmp_path: Path) -> None:
+def test_a_restart_loads_the_compiled_model(llama_path: Path, tmp_path: Path) -> None:
     first, _ = _engine_in_a_new_process(llama_path, tmp_path)
     assert first["compiled"] and first["loaded"] == 0 and first["traced"] == 2
     artifacts = sorted((tmp_path / precompiled.CACHE_NAME).glob("*/*.bin"))
@@ -56,14 +55,22 @@ def test_a_restart_loads_the_compiled_model_and_refuses_a_bad_artifact(
     assert second["compiled"] and second["loaded"] == 2 and second["traced"] == 0
     assert second["tokens"] == first["tokens"]
 
-    corrupt, writable = artifacts
-    corrupt.write_bytes(corrupt.read_bytes()[:1000])
+
+def test_a_corrupt_artifact_or_one_others_may_write_is_refused_and_discarded(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    os.chmod(tmp_path, 0o700)
+    decoder = precompiled.PrecompiledDecoder(torch.nn.Linear(4, 4), tmp_path,
+                                             backend=lambda *args: None)
+    corrupt, writable = (decoder._path((1, one)) for one in (True, False))
+    assert corrupt is not None and writable is not None
+    for path in (corrupt, writable):
+        path.write_bytes(b'{"modules": {}}\nnot a compiled function')
+        os.chmod(path, 0o600)
     os.chmod(writable, 0o660)
-    third, stderr = _engine_in_a_new_process(llama_path, tmp_path)
-    assert third["compiled"] and third["loaded"] == 0 and third["traced"] == 2
-    assert third["tokens"] == first["tokens"]
-    assert "could not be loaded" in stderr and "not safe to load" in stderr
-    assert all(os.stat(path).st_mode & 0o077 == 0 for path in artifacts)  # saved anew
+    assert decoder._load((1, True)) is None and decoder._load((1, False)) is None
+    assert "could not be loaded" in caplog.text and "not safe to load" in caplog.text
+    assert not corrupt.exists()  # discarded, to be compiled and saved anew
+    assert decoder.loaded == 0
 
 
 def test_a_cache_directory_others_may_write_is_not_used(
