@@ -341,7 +341,7 @@ def render(name: str, calls: list[tuple[str, dict[str, Any]]], before: str, afte
         after if after.strip() else "") or None
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(PARSERS), st.data())
 def test_streaming_in_any_cuts_gives_the_whole_outputs_calls(name: str, data: st.DataObject
                                                              ) -> None:
