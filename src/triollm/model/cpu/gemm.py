@@ -26,7 +26,7 @@ import torch
 from triollm.model.cpu.build import load_checked
 from triollm.model.cpu.helpers import PooledFunction
 
-__all__ = ["CpuGemm", "load_gemm"]
+__all__ = ["CpuGemm", "agrees_with_torch", "load_gemm"]
 
 class CpuGemm:
     """bf16 ``x @ weight.T + bias`` over a weight packed by ``pack``."""
@@ -72,12 +72,14 @@ class CpuGemm:
         return out
 
 
-def _agrees_with_torch(gemm: CpuGemm) -> bool:
-    """The kernel against fp32 ``F.linear`` on random shapes: one and two output blocks
-    per tile, full and partial row tiles, with and without a bias."""
+def agrees_with_torch(gemm: CpuGemm, tile_rows: int = 8) -> bool:
+    """A kernel over the packed layout against fp32 ``F.linear`` on random shapes: one
+    row, one and two output blocks per tile, full and partial tiles of ``tile_rows``
+    rows, with and without a bias."""
     generator = torch.Generator().manual_seed(0)
     for rows, out_features, in_features, with_bias in (
-            (1, 48, 30, True), (8, 64, 64, False), (13, 16, 128, True), (40, 96, 34, False)):
+            (1, 48, 30, True), (tile_rows, 64, 64, False), (13, 16, 128, True),
+            (40, 96, 34, False)):
         weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
         bias = torch.randn(out_features, generator=generator) if with_bias else None
         x = torch.randn(rows, in_features, generator=generator).bfloat16()
@@ -92,5 +94,5 @@ def _agrees_with_torch(gemm: CpuGemm) -> bool:
 def load_gemm() -> CpuGemm | None:
     """The kernel for this machine, built on first use and checked against torch; None
     where the CPU lacks AVX512-BF16, there is no C compiler, or it disagrees."""
-    return load_checked("gemm", "bf16 GEMM kernel", CpuGemm, _agrees_with_torch,
+    return load_checked("gemm", "bf16 GEMM kernel", CpuGemm, agrees_with_torch,
                         fallback="oneDNN's packed bf16 linear")

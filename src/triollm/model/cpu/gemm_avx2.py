@@ -19,30 +19,12 @@ Built only where the CPU has AVX2 and FMA; speeds in docs/benchmarks.md
 
 from __future__ import annotations
 
-from functools import cache
-
-import torch
+from functools import cache, partial
 
 from triollm.model.cpu.build import load_checked
-from triollm.model.cpu.gemm import CpuGemm
+from triollm.model.cpu.gemm import CpuGemm, agrees_with_torch
 
 __all__ = ["load_avx2_gemm"]
-
-
-def _agrees_with_torch(gemm: CpuGemm) -> bool:
-    """The kernel against fp32 ``F.linear``: one row, full and partial tiles of 6 rows,
-    one and several output blocks, with and without a bias."""
-    generator = torch.Generator().manual_seed(0)
-    for rows, out_features, in_features, with_bias in (
-            (1, 48, 30, True), (6, 64, 64, False), (13, 16, 128, True), (40, 96, 34, False)):
-        weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
-        bias = torch.randn(out_features, generator=generator) if with_bias else None
-        x = torch.randn(rows, in_features, generator=generator).bfloat16()
-        expected = torch.nn.functional.linear(x.float(), weight.float(), bias)
-        got = gemm(x, gemm.pack(weight), bias).float()
-        if not torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max())):
-            return False
-    return True
 
 
 @cache
@@ -51,4 +33,4 @@ def load_avx2_gemm() -> CpuGemm | None:
     where the CPU lacks AVX2 or FMA, there is no C compiler, or it disagrees."""
     return load_checked("gemm_avx2", "AVX2 bf16 GEMM kernel",
                         lambda library: CpuGemm(library, "triollm_gemm_avx2_bf16"),
-                        _agrees_with_torch, fallback="aten's bf16 linear")
+                        partial(agrees_with_torch, tile_rows=6), fallback="aten's bf16 linear")
