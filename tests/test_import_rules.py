@@ -125,7 +125,7 @@ def test_model_and_sync_engine_code_never_import_an_event_loop(module: str) -> N
 ASYNC_MODULES = {"triollm", "triollm.cli", "triollm.engine.async_engine",
                  "triollm.engine.async_api", "triollm.engine.async_requests",
                  "triollm.engine.channel", "triollm.engine.worker",
-                 *modules_under("triollm.server")}
+                 *modules_under("triollm.engine.process"), *modules_under("triollm.server")}
 
 
 @pytest.mark.parametrize("module", sorted(set(MODULES) - ASYNC_MODULES))
@@ -205,6 +205,6 @@ def test_the_checks_see_real_imports() -> None:
     assert "triollm.model.loader" in direct_imports("triollm.engine.args")  # a lazy import
     assert "anyio" in direct_imports("triollm.engine.channel")
     # A TYPE_CHECKING-only import is an arrow for the type checker only.
-    assert "triollm.engine.async_engine" not in direct_imports("triollm.server.state")
-    assert "triollm.engine.async_engine" in direct_imports("triollm.server.state",
+    assert "triollm.engine.async_engine" not in direct_imports("triollm.server.engine_kind")
+    assert "triollm.engine.async_engine" in direct_imports("triollm.server.engine_kind",
                                                             type_checking=True)

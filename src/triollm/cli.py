@@ -39,6 +39,7 @@ from triollm.vllm_env import (
 )
 
 if TYPE_CHECKING:
+    from triollm.server.engine_kind import ServedEngine
     from triollm.server.routes.lora import LoRAModulePath
     from triollm.server.serve import ServerOptions
 
@@ -52,6 +53,10 @@ __all__ = [
     "package_version",
     "server_options_from_namespace",
 ]
+
+#: Whether ``triollm serve`` runs a single engine in a process of its own
+#: (``VLLM_ENABLE_V1_MULTIPROCESSING`` decides where set; docs/benchmarks.md measures both).
+ENGINE_PROCESS_BY_DEFAULT = False
 
 #: Engine flags that count tokens, so they take human-readable sizes as vLLM's do.
 _TOKEN_COUNTS = ("max_model_len", "max_num_batched_tokens")
@@ -133,6 +138,7 @@ def _serve(namespace: argparse.Namespace) -> int:
     values = _server_option_values(namespace)
     args = engine_args_from_namespace(namespace, AsyncEngineArgs)
     assert isinstance(args, AsyncEngineArgs)
+    _check_data_parallel(namespace, args)
     if namespace.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     _check_model_sources(args)
@@ -141,11 +147,32 @@ def _serve(namespace: argparse.Namespace) -> int:
     environment = _environment(namespace)
     configure_logging(environment, options.log_level)
     apply_cpu_binding(environment)
-    from triollm.engine.async_engine import AsyncLLMEngine
     from triollm.server.serve import serve_blocking
 
-    engine = AsyncLLMEngine.from_engine_args(args)  # validates the arguments first
-    return serve_blocking(engine, options)
+    return serve_blocking(_engine(args, environment), options)
+
+
+def _check_data_parallel(namespace: argparse.Namespace, args: AsyncEngineArgs) -> None:
+    local = namespace.data_parallel_size_local
+    if local is not None and local != args.data_parallel_size:
+        raise ValueError(f"--data-parallel-size-local {local}: every replica runs on this "
+                         f"machine, so it must equal --data-parallel-size "
+                         f"({args.data_parallel_size})")
+
+
+def _engine(args: AsyncEngineArgs, environment: VllmEnvironment) -> ServedEngine:
+    """The engine ``triollm serve`` runs: in this process, or in engine processes
+    (``--data-parallel-size`` above 1, or ``VLLM_ENABLE_V1_MULTIPROCESSING``)."""
+    own_process = environment.engine_process
+    if own_process is None:
+        own_process = ENGINE_PROCESS_BY_DEFAULT
+    if args.data_parallel_size > 1 or own_process:
+        from triollm.engine.process.client import EngineClient
+
+        return EngineClient.from_engine_args(args)  # validates the arguments first
+    from triollm.engine.async_engine import AsyncLLMEngine
+
+    return AsyncLLMEngine.from_engine_args(args)
 
 
 def _host(namespace: argparse.Namespace) -> str:
@@ -287,6 +314,10 @@ def _add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
                         help='CORS: methods allowed, a JSON list (default: ["*"])')
     server.add_argument("--allowed-headers", type=_json_list, default=["*"],
                         help='CORS: headers allowed, a JSON list (default: ["*"])')
+    server.add_argument("--data-parallel-size-local", type=int, default=None,
+                        help="vLLM's replicas on this node: every --data-parallel-size "
+                             "replica runs on this machine, so only that count is "
+                             "accepted")
     server.add_argument("--shutdown-grace", "--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may run after SIGINT/SIGTERM "
                              "(default: 30)")

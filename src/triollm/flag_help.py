@@ -48,6 +48,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "disable_log_requests": "do not log requests (vLLM's older flag)",
     "disable_log_stats": "do not log engine statistics periodically",
     "max_log_len": "longest prompt prefix printed in request logs",
+    "data_parallel_size": "engine replicas, each in its own process on its own share of "
+                          "the cores, behind one API server; requests go to the one with "
+                          "the fewest waiting and running (docs/serving.md)",
     "runner": "generate, pooling (embeddings, classifiers, cross-encoders: /v1/embeddings, "
               "/pooling, /classify, /score, /rerank) or auto (pooling for "
               "sentence-transformers folders, *ForSequenceClassification and bare encoders)",

@@ -54,6 +54,12 @@ class LLM:
             raise ValueError("async_scheduling: LLM runs each step in the calling thread, "
                              "so none can be scheduled while another computes; use "
                              "AsyncLLMEngine (or triollm serve) for it")
+        if engine_args.get("data_parallel_size", 1) != 1:
+            raise ValueError("data_parallel_size: LLM runs one engine in the calling "
+                             "process; as in vLLM, offline data parallelism is one LLM per "
+                             "process, each given its share of the prompts (or serve with "
+                             "triollm serve --data-parallel-size N)")
+        engine_args.pop("data_parallel_size", None)
         config = EngineArgs(model=model, **{**engine_args, "async_scheduling": False}
                             ).create_engine_config()
         self.tokenizer = load_engine_tokenizer(config)

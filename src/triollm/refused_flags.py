@@ -17,6 +17,9 @@ __all__ = ["OLDER_VLLM_FLAGS", "REFUSED_FLAGS", "RefusedFlag", "add_refused_flag
 
 _PARALLEL = "triollm runs one model on one device in one process (no tensor, pipeline, " \
             "data, context or expert parallelism)"
+_DATA_PARALLEL = ("the --data-parallel-size replicas all run on this machine, started, "
+                  "owned and balanced by the one API server: there is no other node, "
+                  "rank, address, RPC port or external load balancer to name")
 _MULTIMODAL = "triollm serves text-only models"
 _LORA = "this LoRA option is not supported: triollm serves LoRA adapters on the linear " \
         "layers of text generation models (--enable-lora, --lora-modules, --max-loras, " \
@@ -67,25 +70,27 @@ def _lists(reason: str, *names: str) -> dict[str, RefusedFlag]:
 REFUSED_FLAGS: dict[str, RefusedFlag] = {
     # one device, one process
     **_values(_PARALLEL, "--pipeline-parallel-size",
-              "--data-parallel-size", "--data-parallel-size-local",
               "--decode-context-parallel-size", "--prefill-context-parallel-size",
               "--api-server-count", "--nnodes", neutral=("1",)),
-    **_values(_PARALLEL, "--data-parallel-rank", "--data-parallel-start-rank",
-              "--node-rank", neutral=("0",)),
+    **_values(_PARALLEL, "--node-rank", neutral=("0",)),
+    **_values(_DATA_PARALLEL, "--data-parallel-rank", "--data-parallel-start-rank",
+              neutral=("0",)),
+    **_values(_DATA_PARALLEL, "--data-parallel-address", "--data-parallel-backend",
+              "--data-parallel-rpc-port", "--data-parallel-supervisor-port"),
+    **_switches(_DATA_PARALLEL, "--data-parallel-external-lb", "--data-parallel-hybrid-lb",
+                "--data-parallel-multi-port-external-lb"),
     **_values(_PARALLEL, "--distributed-executor-backend", neutral=("uni",)),
-    **_values(_PARALLEL, "--data-parallel-address", "--data-parallel-backend",
-              "--data-parallel-rpc-port", "--data-parallel-supervisor-port",
-              "--dp-supervisor-probe-failure-threshold", "--dp-supervisor-probe-interval-s",
-              "--dp-supervisor-probe-timeout-s", "--dp-sync-interval", "--master-addr",
-              "--master-port", "--cpu-distributed-timeout-seconds",
+    **_values(_PARALLEL, "--dp-supervisor-probe-failure-threshold",
+              "--dp-supervisor-probe-interval-s", "--dp-supervisor-probe-timeout-s",
+              "--dp-sync-interval", "--master-addr", "--master-port",
+              "--cpu-distributed-timeout-seconds",
               "--distributed-timeout-seconds", "--all2all-backend", "--dcp-comm-backend",
               "--dcp-kv-cache-interleave-size", "--cp-kv-cache-interleave-size",
               "--elastic-ep-max-dp-size", "--eplb-config", "--expert-placement-strategy",
               "--ubatch-size", "--dbo-decode-token-threshold",
               "--dbo-prefill-token-threshold", "--fault-tolerance-config", "--device-ids",
               "--max-parallel-loading-workers"),
-    **_switches(_PARALLEL, "--data-parallel-external-lb", "--data-parallel-hybrid-lb",
-                "--data-parallel-multi-port-external-lb", "--dcp-q-replicate",
+    **_switches(_PARALLEL, "--dcp-q-replicate",
                 "--disable-custom-all-reduce", "--disable-nccl-for-dp-synchronization",
                 "--enable-batch-sharded-sampling", "--enable-dbo", "--enable-elastic-ep",
                 "--enable-ep-weight-filter", "--enable-eplb", "--enable-expert-parallel",

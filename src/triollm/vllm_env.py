@@ -104,6 +104,10 @@ VLLM_VARIABLES: dict[str, VllmVariable] = {
         "/reset_prefix_cache is always served (behind the API key); vLLM's other "
         "development routes (/sleep, /wake_up, /collective_rpc, /server_info) are not "
         "implemented", _OFF),
+    "VLLM_ENABLE_V1_MULTIPROCESSING": _honoured(
+        "1: triollm serve runs its engine in a process of its own (engine/process/); 0: "
+        "in the server's process (with --data-parallel-size above 1 every replica has "
+        "its own process whatever it says)"),
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": _honoured("seconds an idle connection stays open, as "
                                               "--timeout-keep-alive (the flag wins; "
                                               "connection_flags.py reads it)"),
@@ -123,7 +127,7 @@ VLLM_VARIABLES: dict[str, VllmVariable] = {
              "and --port); " + _ONE_PROCESS, "VLLM_HOST_IP", "VLLM_PORT",
              "VLLM_LOOPBACK_IP"),
     **_noted(_ONE_PROCESS, "VLLM_RPC_TIMEOUT", "VLLM_RPC_BASE_PATH",
-             "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ENABLE_V1_MULTIPROCESSING",
+             "VLLM_WORKER_MULTIPROC_METHOD",
              "VLLM_ALLOW_INSECURE_SERIALIZATION"),
     **_noted("triollm has no step watchdog: a step runs to its end, as with the large "
              "values this is set to; a step that fails ends the server at once",
@@ -159,6 +163,9 @@ class VllmEnvironment:
     log_stats_interval: float = 10.0
     #: ``VLLM_LOGGING_CONFIG_PATH``'s ``dictConfig``.
     logging_config: dict[str, Any] | None = None
+    #: ``VLLM_ENABLE_V1_MULTIPROCESSING``: the engine in a process of its own (None:
+    #: triollm's default).
+    engine_process: bool | None = None
     #: Logged at start: the noted variables, and the unknown ones (as warnings).
     notes: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
@@ -240,9 +247,13 @@ def _honoured_settings(given: Mapping[str, str], prefix: str, notes: tuple[str, 
     if config_path is not None and not configure:
         raise ValueError("VLLM_LOGGING_CONFIG_PATH is given but VLLM_CONFIGURE_LOGGING=0 "
                          "says not to configure logging (as vLLM, triollm refuses both)")
+    engine_process = None
+    if "VLLM_ENABLE_V1_MULTIPROCESSING" in given:
+        engine_process = _number("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                 given["VLLM_ENABLE_V1_MULTIPROCESSING"], int) != 0
     return VllmEnvironment(
-        defaults=defaults, cpu_binding=binding, configure_logging=configure,
-        logging_prefix=prefix, log_stats_interval=interval,
+        engine_process=engine_process, defaults=defaults, cpu_binding=binding,
+        configure_logging=configure, logging_prefix=prefix, log_stats_interval=interval,
         logging_config=_logging_config(config_path) if config_path else None,
         notes=notes, unknown=unknown)
 

@@ -349,10 +349,17 @@ class AsyncEngineArgs(EngineArgs):
     disable_log_requests: bool = False
     disable_log_stats: bool = False
     max_log_len: int | None = None
+    #: Engine replicas, each in a process of its own, behind one ``EngineClient``
+    #: (engine/process/client.py); ``AsyncLLMEngine`` itself runs one, in this process.
+    data_parallel_size: int = 1
 
     def create_engine_config(self) -> EngineConfig:
         """``EngineArgs.create_engine_config``, with the model compiled in the background
         while the engine already serves eagerly (the async engine's start-up)."""
+        if (isinstance(self.data_parallel_size, bool)
+                or not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1):
+            raise ValueError(f"data_parallel_size: must be a positive integer, got "
+                             f"{self.data_parallel_size!r}")
         config = super().create_engine_config()
         return dataclasses.replace(config, model=dataclasses.replace(
             config.model, compile_in_background=True))

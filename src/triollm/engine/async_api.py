@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 class AsyncEngineAPI:
     """Health, statistics, getters and LoRA adapters of a running engine."""
 
+    #: One engine, in this process (``EngineClient`` runs several in their own).
+    data_parallel_size = 1
+
     config: EngineConfig
     tokenizer: PreTrainedTokenizerBase
     log_stats: bool
@@ -106,6 +109,10 @@ class AsyncEngineAPI:
             compiling=bool(getattr(core.runner, "compiling", False)),
             spec_decoding=stats.spec_decoding,
         )
+
+    def statistics_by_engine(self) -> list[EngineStatistics]:
+        """``[statistics()]``: one engine (the ``engine`` label "0")."""
+        return [self.statistics()]
 
     def _record_stats(self) -> None:
         """Hand the stats gathered since the last call to every stat logger."""

@@ -31,7 +31,7 @@ from triollm.server.protocol.structured import renamed
 from triollm.server.request import GenerationRequest
 
 if TYPE_CHECKING:
-    from triollm.engine.async_engine import AsyncLLMEngine
+    from triollm.server.engine_kind import ServedEngine
 
 __all__ = ["EngineStream", "Submitted", "final_outputs", "first_output", "for_each_prompt",
            "open_streams", "outputs", "reply"]
@@ -65,7 +65,7 @@ class Submitted:
 
 
 @asynccontextmanager
-async def open_streams(engine: AsyncLLMEngine, request: GenerationRequest
+async def open_streams(engine: ServedEngine, request: GenerationRequest
                        ) -> AsyncIterator[list[Submitted]]:
     """Every prompt of ``request`` in the engine, each with its first output, in prompt
     order; on exit every stream is closed (what is unfinished is aborted), even inside

@@ -5,17 +5,19 @@ Counters and histograms are fed by the engine after every step (``StatLogger``);
 gauges (running, waiting, KV-cache usage) and the engine's own running totals
 (preemptions, prefix-cache queries and hits, compiled-grammar cache hits and misses,
 speculative decoding's drafts and accepted tokens) are read from
-``engine.statistics()`` when ``/metrics`` is scraped, as is ``vllm:cache_config_info``
-(the KV cache's settings as labels: its dtype, block size and blocks). Every series is
-labelled ``model_name`` and ``engine`` ("0": one engine per server), as vLLM labels
-them (the info gauge, as vLLM's, ``engine`` only). Metrics vLLM does not have carry a
+``engine.statistics_by_engine()`` when ``/metrics`` is scraped, as is
+``vllm:cache_config_info`` (the KV cache's settings as labels: its dtype, block size and
+blocks). Every series is labelled ``model_name`` and ``engine`` (the replica's index:
+"0" for one engine, "0" to "N-1" with ``--data-parallel-size N``), as vLLM labels them
+(the info gauge, as vLLM's, ``engine`` only). Metrics vLLM does not have carry a
 ``triollm:`` prefix. Each server has its own registry, so several can live in one
 process (tests do).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,8 +29,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from triollm.engine.async_engine import AsyncLLMEngine
-from triollm.engine.stats import IterationStats
+from triollm.engine.stats import EngineStatistics, IterationStats
+
+if TYPE_CHECKING:
+    from triollm.server.engine_kind import ServedEngine
 
 __all__ = ["CONTENT_TYPE", "FINISH_REASONS", "PrometheusStatLogger", "request_token_buckets"]
 
@@ -115,127 +119,142 @@ def request_token_buckets(max_model_len: int) -> list[float]:
 
 
 class _EngineState(Collector):
-    """What ``engine.statistics()`` says at scrape time: gauges, and running totals."""
+    """What ``engine.statistics_by_engine()`` says at scrape time: gauges, and running
+    totals, one series per engine."""
 
-    def __init__(self, engine: AsyncLLMEngine, labels: list[str]) -> None:
+    def __init__(self, engine: ServedEngine, model_name: str) -> None:
         self.engine = engine
-        self.labels = labels
+        self.model_name = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self.engine.statistics()
-        for name, documentation, value in (
+        each = list(enumerate(self.engine.statistics_by_engine()))
+        labels = ["model_name", "engine"]
+
+        def family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
+                   documentation: str, value: Callable[[EngineStatistics], float]
+                   ) -> GaugeMetricFamily | CounterMetricFamily:
+            metric = kind(name, documentation, labels=labels)
+            for index, stats in each:
+                metric.add_metric([self.model_name, str(index)], float(value(stats)))
+            return metric
+
+        for name, documentation, gauge in (
             ("num_requests_running", "Number of requests in model execution batches.",
-             stats.num_running),
+             lambda s: s.num_running),
             ("num_requests_waiting", "Number of requests waiting to be processed.",
-             stats.num_waiting),
+             lambda s: s.num_waiting),
             ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             stats.kv_cache_usage),
+             lambda s: s.kv_cache_usage),
         ):
-            gauge = GaugeMetricFamily(f"vllm:{name}", documentation,
-                                      labels=["model_name", "engine"])
-            gauge.add_metric(self.labels, float(value))
-            yield gauge
+            yield family(GaugeMetricFamily, f"vllm:{name}", documentation, gauge)
         for name, documentation, count in (
-            ("num_preemptions", "Cumulative number of preemption from the engine.",
-             stats.num_preemptions),
-            ("prefix_cache_queries",
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+             lambda s: s.num_preemptions),
+            ("vllm:prefix_cache_queries",
              "Prefix cache queries, in terms of number of queried tokens.",
-             stats.prefix_cache_queries),
-            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-             stats.prefix_cache_hits),
-            ("prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
-             stats.prefix_cache_hits),
-        ):
-            counter = CounterMetricFamily(f"vllm:{name}", documentation,
-                                          labels=["model_name", "engine"])
-            counter.add_metric(self.labels, float(count))
-            yield counter
-        for name, documentation, count in (
-            ("structured_outputs_grammar_cache_hits",
+             lambda s: s.prefix_cache_queries),
+            ("vllm:prefix_cache_hits",
+             "Prefix cache hits, in terms of number of cached tokens.",
+             lambda s: s.prefix_cache_hits),
+            ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+             lambda s: s.prefix_cache_hits),
+            ("triollm:structured_outputs_grammar_cache_hits",
              "Structured-output constraints whose compiled grammar came from the cache.",
-             stats.grammar_cache_hits),
-            ("structured_outputs_grammar_cache_misses",
+             lambda s: s.grammar_cache_hits),
+            ("triollm:structured_outputs_grammar_cache_misses",
              "Structured-output constraints compiled (not found in the grammar cache).",
-             stats.grammar_cache_misses),
+             lambda s: s.grammar_cache_misses),
         ):
-            counter = CounterMetricFamily(f"triollm:{name}", documentation,
-                                          labels=["model_name", "engine"])
-            counter.add_metric(self.labels, float(count))
-            yield counter
-        yield self._cache_config_info(stats.num_total_blocks)
-        spec = stats.spec_decoding
-        if spec is None:
+            yield family(CounterMetricFamily, name, documentation, count)
+        yield self._cache_config_info(each)
+        specs = [(index, stats.spec_decoding) for index, stats in each
+                 if stats.spec_decoding is not None]
+        if not specs:
             return
-        for name, documentation, count in (
-            ("num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
-            ("num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
-            ("num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+        for name, documentation, field_name in (
+            ("num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+            ("num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+            ("num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens"),
         ):
             counter = CounterMetricFamily(f"vllm:spec_decode_{name}", documentation,
-                                          labels=["model_name", "engine"])
-            counter.add_metric(self.labels, float(count))
+                                          labels=labels)
+            for index, spec in specs:
+                counter.add_metric([self.model_name, str(index)],
+                                   float(getattr(spec, field_name)))
             yield counter
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.",
-                                      labels=["model_name", "engine", "position"])
-        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
-            per_pos.add_metric([*self.labels, str(position)], float(count))
+                                      labels=[*labels, "position"])
+        for index, spec in specs:
+            for position, accepted in enumerate(spec.num_accepted_tokens_per_pos):
+                per_pos.add_metric([self.model_name, str(index), str(position)],
+                                   float(accepted))
         yield per_pos
 
-    def _cache_config_info(self, num_blocks: int) -> GaugeMetricFamily:
+    def _cache_config_info(self, each: list[tuple[int, EngineStatistics]]
+                           ) -> GaugeMetricFamily:
         """vLLM's info gauge: the cache config's fields as labels, value 1."""
         cache = self.engine.config.cache
-        info = {"block_size": str(cache.block_size), "cache_dtype": cache.cache_dtype,
-                "enable_prefix_caching": str(cache.enable_prefix_caching),
-                "gpu_memory_utilization": str(cache.gpu_memory_utilization),
-                "num_gpu_blocks": str(num_blocks),
-                "num_gpu_blocks_override": str(cache.num_gpu_blocks_override),
-                "engine": self.labels[1]}
+        names = ["block_size", "cache_dtype", "enable_prefix_caching",
+                 "gpu_memory_utilization", "num_gpu_blocks", "num_gpu_blocks_override",
+                 "engine"]
         gauge = GaugeMetricFamily("vllm:cache_config_info",
-                                  "Information of the LLMEngine CacheConfig",
-                                  labels=list(info))
-        gauge.add_metric(list(info.values()), 1.0)
+                                  "Information of the LLMEngine CacheConfig", labels=names)
+        for index, stats in each:
+            gauge.add_metric([str(cache.block_size), cache.cache_dtype,
+                              str(cache.enable_prefix_caching),
+                              str(cache.gpu_memory_utilization), str(stats.num_total_blocks),
+                              str(cache.num_gpu_blocks_override), str(index)], 1.0)
         return gauge
 
 
-class PrometheusStatLogger:
-    """The engine's ``StatLogger`` for ``/metrics``."""
+class _EngineSeries:
+    """One engine's counters and histograms (its ``engine`` label)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
-        labels = [model_name, "0"]
-        names = ["model_name", "engine"]
-        self.registry = registry = CollectorRegistry(auto_describe=True)
-        registry.register(_EngineState(engine, labels))
-
-        def counter(name: str, documentation: str) -> Counter:
-            return Counter(name, documentation, names, registry=registry).labels(*labels)
-
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens",
-                                         "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          [*names, "finished_reason"], registry=registry)
-        self.request_success = {reason: success.labels(*labels, reason)
+    def __init__(self, registry_metrics: dict[str, Any], labels: list[str]) -> None:
+        self.prompt_tokens = registry_metrics["prompt_tokens"].labels(*labels)
+        self.generation_tokens = registry_metrics["generation_tokens"].labels(*labels)
+        self.request_success = {reason: registry_metrics["success"].labels(*labels, reason)
                                 for reason in FINISH_REASONS}
-        token_buckets = tuple(request_token_buckets(engine.config.model.max_model_len))
-        self.histograms = {
-            key: Histogram(name, documentation, names, registry=registry,
-                           buckets=token_buckets if buckets is None else buckets
-                           ).labels(*labels)
-            for key, (name, documentation, buckets) in _HISTOGRAMS.items()}
-        # triollm's own: requests with a latency target, by whether they met it.
-        slo = Counter("triollm:request_slo", "Finished requests that had a latency target "
-                      "(slo or ttft_slo), by whether they met it.", [*names, "outcome"],
-                      registry=registry)
-        self.request_slo = {outcome: slo.labels(*labels, outcome)
+        self.histograms = {key: registry_metrics[key].labels(*labels) for key in _HISTOGRAMS}
+        self.request_slo = {outcome: registry_metrics["slo"].labels(*labels, outcome)
                             for outcome in ("attained", "missed")}
 
-    def record(self, stats: IterationStats) -> None:
+
+class PrometheusStatLogger:
+    """The engine's ``StatLogger`` for ``/metrics``: one series per engine (replica)."""
+
+    def __init__(self, engine: ServedEngine, model_name: str) -> None:
+        names = ["model_name", "engine"]
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        registry.register(_EngineState(engine, model_name))
+        token_buckets = tuple(request_token_buckets(engine.config.model.max_model_len))
+        metrics: dict[str, Any] = {
+            "prompt_tokens": Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                     names, registry=registry),
+            "generation_tokens": Counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.", names,
+                                         registry=registry),
+            "success": Counter("vllm:request_success",
+                               "Count of successfully processed requests.",
+                               [*names, "finished_reason"], registry=registry),
+            # triollm's own: requests with a latency target, by whether they met it.
+            "slo": Counter("triollm:request_slo", "Finished requests that had a latency "
+                           "target (slo or ttft_slo), by whether they met it.",
+                           [*names, "outcome"], registry=registry),
+            **{key: Histogram(name, documentation, names, registry=registry,
+                              buckets=token_buckets if buckets is None else buckets)
+               for key, (name, documentation, buckets) in _HISTOGRAMS.items()}}
+        self._engines = [_EngineSeries(metrics, [model_name, str(index)])
+                         for index in range(engine.data_parallel_size)]
+
+    def record(self, stats: IterationStats, engine_idx: int = 0) -> None:
+        series = self._engines[engine_idx]
         if stats.num_prompt_tokens:
-            self.prompt_tokens.inc(stats.num_prompt_tokens)
+            series.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
-            self.generation_tokens.inc(stats.num_generation_tokens)
-        histograms = self.histograms
+            series.generation_tokens.inc(stats.num_generation_tokens)
+        histograms = series.histograms
         for tokens in stats.iteration_tokens:
             histograms["iteration_tokens"].observe(tokens)
         for value in stats.time_to_first_token:
@@ -243,13 +262,13 @@ class PrometheusStatLogger:
         for value in stats.inter_token_latency:
             histograms["inter_token_latency"].observe(value)
         for finished in stats.finished:
-            self.request_success[finished.finish_reason].inc()
+            series.request_success[finished.finish_reason].inc()
             for key in _PER_SEQUENCE:
                 histograms[key].observe(getattr(finished, key))
             if finished.max_tokens_param:
                 histograms["max_tokens_param"].observe(finished.max_tokens_param)
             if finished.slo_attained is not None:
-                self.request_slo["attained" if finished.slo_attained else "missed"].inc()
+                series.request_slo["attained" if finished.slo_attained else "missed"].inc()
         for request in stats.finished_requests:
             histograms["max_num_generation_tokens"].observe(request.max_num_generation_tokens)
             histograms["n"].observe(request.n)

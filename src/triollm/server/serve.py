@@ -40,13 +40,13 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from triollm.engine.async_engine import AsyncLLMEngine
 from triollm.entrypoints.chat_utils import ContentFormat
 from triollm.server import protocol_errors
 from triollm.server.access_log import AccessLog, HypercornLog
 from triollm.server.admission import Admission, AdmissionLimits
 from triollm.server.app import build_app
 from triollm.server.chat_parsing import check_tool_flags
+from triollm.server.engine_kind import ServedEngine
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import (
     DEFAULT_BACKLOG,
@@ -141,7 +141,7 @@ class ServerHandle:
     """Given to ``task_status.started``: where the server listens and how to stop it."""
 
     urls: list[str]
-    engine: AsyncLLMEngine
+    engine: ServedEngine
     state: ServerState
     _stop: anyio.Event = field(default_factory=anyio.Event)
 
@@ -154,7 +154,7 @@ class ServerHandle:
         self._stop.set()
 
 
-async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
+async def run_server(engine: ServedEngine, options: ServerOptions, *,
                      task_status: anyio.abc.TaskStatus[ServerHandle] = anyio.TASK_STATUS_IGNORED
                      ) -> None:
     """Load the model, serve until shut down, then stop everything; reports a
@@ -224,7 +224,7 @@ async def run_server(engine: AsyncLLMEngine, options: ServerOptions, *,
         task_status.started(handle)
 
 
-async def _run_engine(engine: AsyncLLMEngine, state: ServerState, options: ServerOptions,
+async def _run_engine(engine: ServedEngine, state: ServerState, options: ServerOptions,
                       engine_scope: trio.CancelScope, *,
                       task_status: anyio.abc.TaskStatus[None]) -> None:
     try:
@@ -280,7 +280,7 @@ def _exit_if_still_running_after(seconds: float, state: ServerState) -> None:
     timer.start()
 
 
-async def _log_stats(engine: AsyncLLMEngine, interval: float) -> None:
+async def _log_stats(engine: ServedEngine, interval: float) -> None:
     while True:
         await anyio.sleep(interval)
         await engine.do_log_stats()
@@ -301,7 +301,7 @@ async def _watch_signals(handle: ServerHandle, owns_process: bool) -> None:
             handle.shutdown()
 
 
-def serve_blocking(engine: AsyncLLMEngine, options: ServerOptions) -> int:
+def serve_blocking(engine: ServedEngine, options: ServerOptions) -> int:
     """Run the server under trio until it stops, as the owner of this process; the exit
     status. Raises ``ListenError`` when it cannot listen on its address."""
     try:

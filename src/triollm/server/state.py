@@ -28,8 +28,8 @@ from triollm.server.tokenizer_process import CallFailed
 
 if TYPE_CHECKING:
     from triollm.config import PoolerConfig
-    from triollm.engine.async_engine import AsyncLLMEngine
     from triollm.pooling_params import PoolingTask
+    from triollm.server.engine_kind import ServedEngine
     from triollm.server.metrics import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class ServerState:
     response (kept by ``RequestLifetime``): a graceful shutdown waits for it to reach 0.
     """
 
-    engine: AsyncLLMEngine
+    engine: ServedEngine
     settings: ServerSettings
     #: None when the engine does not log stats (``--disable-log-stats``).
     metrics: PrometheusStatLogger | None

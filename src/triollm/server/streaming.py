@@ -25,7 +25,7 @@ from triollm.server.middleware import Receive, Scope, Send
 from triollm.server.request import GenerationRequest
 
 if TYPE_CHECKING:
-    from triollm.engine.async_engine import AsyncLLMEngine
+    from triollm.server.engine_kind import ServedEngine
 
 __all__ = ["NULL_DELIMITED_MEDIA_TYPE", "BuildReply", "Emit", "EventStream",
            "NullDelimitedStream", "WriteEvents", "respond", "run_stream"]
@@ -44,7 +44,7 @@ BuildReply = Callable[[GenerationRequest, list[RequestOutput]], Response]
 class _OwnedStream(Response):
     """A streamed response whose body owns the request's engine streams."""
 
-    def __init__(self, engine: AsyncLLMEngine, request: GenerationRequest,
+    def __init__(self, engine: ServedEngine, request: GenerationRequest,
                  media_type: str) -> None:
         super().__init__(status_code=200, media_type=media_type)
         self.engine = engine
@@ -63,7 +63,7 @@ class _OwnedStream(Response):
 class EventStream(_OwnedStream):
     """A server-sent-events response written by ``events``."""
 
-    def __init__(self, engine: AsyncLLMEngine, request: GenerationRequest,
+    def __init__(self, engine: ServedEngine, request: GenerationRequest,
                  events: WriteEvents) -> None:
         super().__init__(engine, request, "text/event-stream")
         self.events = events
@@ -107,7 +107,7 @@ class NullDelimitedStream(_OwnedStream):
     (so not one JSON document: ``application/octet-stream``). An engine that dies or
     shuts down mid-stream ends it with an ``{"error": ...}`` chunk in OpenAI's shape."""
 
-    def __init__(self, engine: AsyncLLMEngine, request: GenerationRequest) -> None:
+    def __init__(self, engine: ServedEngine, request: GenerationRequest) -> None:
         super().__init__(engine, request, NULL_DELIMITED_MEDIA_TYPE)
 
     async def write(self, submitted: list[Submitted], send: Send) -> None:
@@ -134,7 +134,7 @@ class NullDelimitedStream(_OwnedStream):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def respond(engine: AsyncLLMEngine, request: GenerationRequest, events: WriteEvents,
+async def respond(engine: ServedEngine, request: GenerationRequest, events: WriteEvents,
                   build: BuildReply) -> Response:
     """A generation request's response: a stream of events written by ``events`` (its
     body owns the engine streams), or, once every prompt has finished, one reply made by
