@@ -59,8 +59,8 @@ def _noted(reason: str, *names: str) -> dict[str, VllmVariable]:
     return {name: VllmVariable("noted", reason) for name in names}
 
 
-_ONE_PROCESS = ("triollm runs in one process (no worker or engine processes, no RPC "
-                "between them)")
+_ONE_PROCESS = ("triollm's engine processes talk to the server over socket pairs of their "
+                "own (no addresses, ports, RPC paths or serialization settings to choose)")
 _TEXT_ONLY = "it only steers multimodal inputs, which triollm refuses (text-only models)"
 _NO_STATS = "triollm sends no usage statistics"
 

@@ -144,7 +144,14 @@ class EngineClient(EngineClientAPI):
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         self._task_group.cancel_scope.cancel()
-        return await self._task_group.__aexit__(*exc_info)
+        try:
+            return await self._task_group.__aexit__(*exc_info)
+        except BaseExceptionGroup as group:
+            # an engine's death is the one exception worth surfacing as itself
+            dead = _engine_dead_in(group)
+            if dead is not None:
+                raise dead from None
+            raise
 
     def _setups(self) -> list[EngineSetup]:
         root = logging.getLogger()

@@ -1,0 +1,262 @@
+"""The engine in processes of its own (engine/process/): the balancer, the framing, a
+data-parallel server's outputs and metrics, and what happens when an engine process
+dies or the server is stopped."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import psutil
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server_helpers import server_in_thread, server_process
+from triollm import AsyncEngineArgs, SamplingParams
+from triollm.engine.process.balance import choose_replica
+from triollm.engine.process.client import EngineClient, replica_cores
+from triollm.engine.process.protocol import FrameReader, frame
+from triollm.errors import EngineDeadError
+
+ENGINE_ARGS = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=256,
+                   optimization_level=0)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21, 22]]
+
+
+# -- pure parts -------------------------------------------------------------------------
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=6), st.integers(-1, 10))
+def test_the_balancer_picks_a_least_loaded_replica_taking_equals_in_turn(
+        loads: list[int], after: int) -> None:
+    chosen = choose_replica(loads, after)
+    assert loads[chosen] == min(loads)
+    # no replica just after the previous choice (in turn) is as lightly loaded
+    skipped = [(after + step) % len(loads) for step in range(1, len(loads))]
+    skipped = skipped[:skipped.index(chosen)] if chosen in skipped else skipped
+    assert all(loads[index] > min(loads) for index in skipped)
+
+
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=4))
+def test_equal_replicas_take_requests_in_turn_and_stay_within_one_of_each_other(
+        start: list[int]) -> None:
+    loads = list(start)
+    after = -1
+    for _ in range(12):
+        after = choose_replica(loads, after)
+        loads[after] += 1
+    assert max(loads) - min(loads) <= max(max(start) - min(start), 1)
+
+
+@given(st.integers(1, 6), st.integers(1, 16))
+def test_each_replica_gets_its_own_cores_while_there_are_enough(count: int,
+                                                                cores: int) -> None:
+    shares = replica_cores(count, range(cores))
+    assert len(shares) == count
+    if count == 1:
+        assert shares == [None]
+        return
+    assert all(share for share in shares)
+    if cores >= count:
+        assert sorted(c for share in shares for c in share or ()) == list(range(cores))
+        sizes = [len(share or ()) for share in shares]
+        assert max(sizes) - min(sizes) <= 1
+
+
+@given(st.lists(st.binary(max_size=300), max_size=5), st.lists(st.integers(1, 64),
+                                                                  min_size=1))
+def test_frames_cut_anywhere_come_out_whole_and_in_order(messages: list[bytes],
+                                                         cuts: list[int]) -> None:
+    data = b"".join(frame(message) for message in messages)
+    reader = FrameReader()
+    received: list[object] = []
+    position = 0
+    for size in cuts * (len(data) // max(sum(cuts), 1) + 1):
+        received.extend(reader.feed(data[position:position + size]))
+        position += size
+    received.extend(reader.feed(data[position:]))
+    assert received == messages
+
+
+def test_offline_llm_and_the_in_process_engine_refuse_data_parallelism() -> None:
+    from triollm import LLM, AsyncLLMEngine
+
+    with pytest.raises(ValueError, match="data_parallel_size: LLM runs one engine"):
+        LLM(data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size: AsyncLLMEngine runs one"):
+        AsyncLLMEngine.from_engine_args(AsyncEngineArgs(data_parallel_size=2))
+    with pytest.raises(ValueError, match="data_parallel_size: must be a positive"):
+        AsyncEngineArgs(data_parallel_size=0).create_engine_config()
+
+
+# -- the client on both event loops ----------------------------------------------------
+
+@pytest.mark.anyio
+async def test_the_client_streams_aborts_and_then_stops_its_engine_process(
+        llama_path: Path) -> None:
+    client = EngineClient.from_engine_args(AsyncEngineArgs(str(llama_path), **ENGINE_ARGS))
+    async with client as engine:
+        (pid,) = engine.engine_pids
+        assert pid is not None and psutil.pid_exists(pid)
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        outputs = [output async for output in engine.generate(
+            {"prompt_token_ids": PROMPTS[0]}, params, "a")]
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 6
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        received = []
+        async for output in engine.generate({"prompt_token_ids": PROMPTS[1]}, long, "b"):
+            received.append(output)
+            if len(received) == 2:
+                await engine.abort("b")
+        assert received[-1].finished and received[-1].outputs[0].finish_reason == "abort"
+        with pytest.raises(ValueError, match="prompt"):
+            async for _ in engine.generate({"prompt_token_ids": []}, params, "c"):
+                pass
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+# -- a data-parallel server --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dp_server(llama_path: Path) -> Iterator[Any]:
+    engine = EngineClient.from_engine_args(AsyncEngineArgs(
+        str(llama_path), data_parallel_size=2, **ENGINE_ARGS))
+    with server_in_thread(engine, served_model_names=("tiny",)) as server:
+        yield server
+
+
+def _completions(url: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy completion's token ids, all sent at once."""
+    results: dict[int, list[int]] = {}
+
+    def one(index: int) -> None:
+        reply = httpx.post(url + "/v1/completions", json={
+            "model": "tiny", "prompt": prompts[index], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}, timeout=120).json()
+        results[index] = reply["choices"][0]["token_ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return [results[i] for i in range(len(prompts))]
+
+
+def test_two_replicas_answer_greedy_requests_as_one_engine_does(dp_server: Any,
+                                                                 llama_llm: Any) -> None:
+    expected = [output.outputs[0].token_ids for output in llama_llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)]
+    assert _completions(dp_server.url, PROMPTS) == [list(ids) for ids in expected]
+
+
+def test_metrics_carry_one_engine_label_per_replica_and_both_served(dp_server: Any) -> None:
+    _completions(dp_server.url, PROMPTS[:4])
+    text = httpx.get(dp_server.url + "/metrics").text
+    for engine in ("0", "1"):
+        assert f'vllm:num_requests_running{{engine="{engine}",model_name="tiny"}}' in text
+        line = next(line for line in text.splitlines() if line.startswith(
+            f'vllm:request_success_total{{engine="{engine}",finished_reason="length"'))
+        assert float(line.split()[-1]) >= 1  # the balancer gave each replica requests
+
+
+# -- faults ------------------------------------------------------------------------------
+
+def _engine_processes(server_pid: int) -> list[psutil.Process]:
+    return [child for child in psutil.Process(server_pid).children(recursive=True)
+            if "triollm.engine.process.child" in " ".join(child.cmdline())]
+
+
+def _stream(url: str, prompt: list[int], events: list[str], started: threading.Barrier
+            ) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0,
+            "stream": True, "ignore_eos": True}, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    started.wait(60)
+
+
+def _gone(pids: list[int]) -> bool:
+    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                   for pid in pids)
+
+
+def test_a_killed_engine_process_ends_every_stream_with_an_error_and_the_server_non_zero(
+        llama_path: Path) -> None:
+    with server_process(str(llama_path), "--dtype", "float32", "--max-model-len", "256",
+                        "--num-gpu-blocks-override", "256", "--served-model-name", "tiny",
+                        "--data-parallel-size", "2") as (process, url):
+        engines = _engine_processes(process.pid)
+        assert len(engines) == 2
+        streams = [[] for _ in range(4)]  # type: list[list[str]]
+        started = threading.Barrier(5)
+        threads = [threading.Thread(target=_stream, args=(url, PROMPTS[i], streams[i],
+                                                          started)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        started.wait(60)
+        engines[0].send_signal(signal.SIGKILL)
+        for thread in threads:
+            thread.join(60)
+        for events in streams:
+            assert events[-1] == "[DONE]"
+            assert "engine" in json.loads(events[-2])["error"]["message"]
+        assert process.wait(30) != 0
+    assert _gone([engine.pid for engine in engines])
+
+
+def test_sigterm_under_load_ends_within_the_grace_and_leaves_no_engine_process(
+        llama_path: Path) -> None:
+    with server_process(str(llama_path), "--dtype", "float32", "--max-model-len", "256",
+                        "--num-gpu-blocks-override", "256", "--served-model-name", "tiny",
+                        "--shutdown-grace", "1",
+                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) as (process, url):
+        engines = _engine_processes(process.pid)
+        assert len(engines) == 1
+        streams = [[] for _ in range(2)]  # type: list[list[str]]
+        started = threading.Barrier(3)
+        threads = [threading.Thread(target=_stream, args=(url, PROMPTS[i], streams[i],
+                                                          started)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        started.wait(60)
+        stopped = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(1 + 5 + 5) == 0  # grace + final words + the engine's stop
+        ended = time.monotonic() - stopped
+        for thread in threads:
+            thread.join(30)
+    assert ended < 1 + 5 + 5
+    assert _gone([engine.pid for engine in engines])
+
+
+def test_a_hung_engine_process_is_dead_within_the_heartbeat_timeout(
+        llama_path: Path) -> None:
+    async def main() -> None:
+        client = EngineClient.from_engine_args(
+            AsyncEngineArgs(str(llama_path), **ENGINE_ARGS), heartbeat_timeout=2.0)
+        with pytest.raises(EngineDeadError, match="hung"):
+            async with client as engine:
+                (pid,) = engine.engine_pids
+                assert pid is not None
+                psutil.Process(pid).suspend()
+                params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+                with pytest.raises(EngineDeadError, match="hung"):
+                    async for _ in engine.generate({"prompt_token_ids": PROMPTS[0]},
+                                                   params, "x"):
+                        pass
+                await anyio.sleep_forever()
+        assert _gone([pid])
+
+    anyio.run(main, backend="trio")
