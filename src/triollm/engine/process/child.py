@@ -231,12 +231,16 @@ def main() -> None:
     setup, reader = _read_setup(sock)
     die_with_parent(setup.parent_pid)
     _configure(setup)
+    status = 0
     try:
         anyio.run(_serve, sock, setup, reader, backend="trio")
     except BaseException:  # the server reads the exit status
         logger.exception("engine %d stopped", setup.index)
-        logging.shutdown()
-        os._exit(1)
+        status = 1
+    # The engine has shut down (its threads joined, its runner freed): skip the
+    # interpreter's teardown of torch's modules, seconds on a busy machine.
+    logging.shutdown()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,15 @@ class EngineClient(EngineClientAPI):
                 await loaded.wait()
                 self._running = True
                 task_status.started()
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    # Cancelled: every stream ends now, before the processes stop
+                    # (which may take their step and a shutdown).
+                    self._running = False
+                    if self._dead_error is None:
+                        self._fail_all(EngineClosedError("the engine shut down before "
+                                                         "this request finished"))
         except BaseException as error:
             if self._dead_error is None:
                 self._fail_all(EngineClosedError("the engine shut down before this "
