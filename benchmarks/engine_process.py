@@ -75,8 +75,9 @@ async def measure(name: str, engine: Any, options: argparse.Namespace,
         others = sampler.others_cores()
         steps = engine.statistics().num_steps - steps_before
     per_step = seconds / max(steps, 1)
+    # replicas' steps overlap: a per-step figure compares only one engine with another
     extra = (f"  {1000 * (per_step - base):+6.2f} ms/step vs in-process"
-             if base is not None else "")
+             if base is not None and engine.data_parallel_size == 1 else "")
     print(f"{name:12s} {tokens / seconds:8.1f} tok/s  mean TPOT "
           f"{1000 * statistics.fmean(tpots):6.1f} ms  {steps:5d} steps  "
           f"{1000 * per_step:6.2f} ms/step{extra}  others {others:.2f} cores", flush=True)

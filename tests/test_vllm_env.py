@@ -163,6 +163,8 @@ HONOURED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "VLLM_LOGGING_CONFIG_PATH": ("", lambda ns: ns.vllm_environment.logging_config
                                  == {"version": 1}),
     "VLLM_TARGET_DEVICE": ("CPU", lambda ns: ns.device == "cpu"),
+    "VLLM_ENABLE_V1_MULTIPROCESSING": (
+        "0", lambda ns: ns.vllm_environment.engine_process is False),
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": ("true", lambda ns: lora.runtime_updates_allowed()),
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": (
         "7", lambda ns: connection_options(ns)["keep_alive_timeout"] == 7.0),

@@ -56,7 +56,7 @@ __all__ = [
 
 #: Whether ``triollm serve`` runs a single engine in a process of its own
 #: (``VLLM_ENABLE_V1_MULTIPROCESSING`` decides where set; docs/benchmarks.md measures both).
-ENGINE_PROCESS_BY_DEFAULT = False
+ENGINE_PROCESS_BY_DEFAULT = True
 
 #: Engine flags that count tokens, so they take human-readable sizes as vLLM's do.
 _TOKEN_COUNTS = ("max_model_len", "max_num_batched_tokens")

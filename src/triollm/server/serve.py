@@ -3,7 +3,8 @@
 ::
 
     root task group (a trio nursery)
-    ├── AsyncLLMEngine.run            the step loop and its model thread
+    ├── engine.run                    EngineClient: its engine processes (triollm serve);
+    │                                 AsyncLLMEngine: the step loop and its model thread
     ├── hypercorn.trio.serve(app)     connections → handlers → engine.generate()
     └── signal watcher                SIGINT / SIGTERM → graceful shutdown
 
