@@ -106,8 +106,8 @@ VLLM_VARIABLES: dict[str, VllmVariable] = {
         "implemented", _OFF),
     "VLLM_ENABLE_V1_MULTIPROCESSING": _honoured(
         "1 (the default): triollm serve runs its engine in a process of its own "
-        "(engine/process/); 0: in the server's process (with --data-parallel-size above 1 every replica has "
-        "its own process whatever it says)"),
+        "(engine/process/); 0: in the server's process (with --data-parallel-size above "
+        "1 every replica has its own process whatever it says)"),
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": _honoured("seconds an idle connection stays open, as "
                                               "--timeout-keep-alive (the flag wins; "
                                               "connection_flags.py reads it)"),
