@@ -133,11 +133,11 @@ class AsyncLLMEngine(AsyncEngineRequests):
         """Validate the arguments and load the tokenizer; the model loads in ``run``.
         ``stat_loggers`` takes vLLM's forms: a list of loggers or of factories called
         as ``factory(config, 0)``, or a dict of loggers by name."""
-        config = engine_args.create_engine_config()
         if getattr(engine_args, "data_parallel_size", 1) != 1:
             raise ValueError("data_parallel_size: AsyncLLMEngine runs one engine in this "
                              "process; EngineClient.from_engine_args (triollm.engine."
                              "process.client) runs each replica in its own")
+        config = engine_args.create_engine_config()
         return cls(config, load_engine_tokenizer(config),
                    runner_factory or partial(create_model_runner, config),
                    log_requests=(getattr(engine_args, "enable_log_requests", False)
