@@ -260,3 +260,17 @@ def test_a_hung_engine_process_is_dead_within_the_heartbeat_timeout(
         assert _gone([pid])
 
     anyio.run(main, backend="trio")
+
+
+def test_data_parallel_flags_for_other_nodes_are_refused_naming_why(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from triollm import cli
+
+    assert cli.main(["serve", "--data-parallel-size", "2",
+                     "--data-parallel-size-local", "1"]) == 2
+    assert "--data-parallel-size-local 1: every replica runs on this machine" in (
+        capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--data-parallel-address", "10.0.0.1"])
+    assert exit_info.value.code == 2
+    assert "all run on this machine" in capsys.readouterr().err
