@@ -27,40 +27,78 @@ import torch
 
 from triollm.model.sampler import SamplingRow, sample, sampling_probs, token_logprobs
 from triollm.step import RunnerOutput, ScheduledRequest, TokenLogprobs
+from triollm.structured_output.bitmask import GrammarMask, allocate_bitmask
+from triollm.structured_output.matchers import SampleGrammar
 
 __all__ = ["continue_drafts", "rejection_sample", "verify_drafts"]
 
 
 def verify_drafts(item: ScheduledRequest, logits: torch.Tensor, row: SamplingRow,
                   draft_probs: torch.Tensor | None, output: RunnerOutput,
-                  generator: torch.Generator | None) -> None:
+                  generator: torch.Generator | None,
+                  grammar: SampleGrammar | None = None) -> None:
     """A request's step with drafts, its first token sampled already (in ``output``
     and at the end of ``row.output_token_ids``): ``logits`` are the target's after
     each of the step's positions. With ``draft_probs`` (the distributions the drafts
     were drawn from) vLLM's general rule replaces that first token; otherwise the
-    drafts are accepted while they equal the target's own samples. The tokens past the
-    first go to ``output.more_token_ids`` and ``row.output_token_ids``."""
+    drafts are accepted while they equal the target's own samples. Under a
+    ``grammar`` (which has taken the first token) the drafts are cut at the first it
+    forbids, and each further token is sampled under the grammar's mask. The tokens
+    past the first go to ``output.more_token_ids`` and ``row.output_token_ids``."""
     request_id = item.request_id
     drafts = item.token_ids[-item.num_draft_tokens:]
     try:
-        if draft_probs is not None:
+        if grammar is not None:
+            if output.sampled_token_ids[request_id] != drafts[0]:
+                return
+            drafts = drafts[:1 + grammar.valid_prefix(drafts[1:])]
+            tokens, logprobs = continue_constrained(logits[1:len(drafts) + 1], drafts[1:],
+                                                    row, generator, grammar)
+        elif draft_probs is not None:
             tokens, logprobs = rejection_sample(logits, drafts, draft_probs[:len(drafts)],
                                                 row, generator)
             row.output_token_ids[-1] = output.sampled_token_ids[request_id] = tokens[0]
             if logprobs[0] is not None:
                 output.logprobs[request_id] = logprobs[0]
             tokens, logprobs = tokens[1:], logprobs[1:]
+            row.output_token_ids.extend(tokens)
         elif output.sampled_token_ids[request_id] == drafts[0]:
             tokens, logprobs = continue_drafts(logits[1:], drafts[1:], row, generator)
+            row.output_token_ids.extend(tokens)
         else:
             return
     except Exception as error:
         output.failed[request_id] = f"verifying draft tokens: {error!r}"
         return
     if tokens:
-        row.output_token_ids.extend(tokens)
         output.more_token_ids[request_id] = tokens
         output.more_logprobs[request_id] = [lp for lp in logprobs if lp is not None]
+
+
+def continue_constrained(logits: torch.Tensor, drafts: list[int], row: SamplingRow,
+                         generator: torch.Generator | None, grammar: SampleGrammar
+                         ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """``continue_drafts`` under a grammar: one position after the other, each token
+    sampled under the mask of the grammar that took the tokens before it (and appended
+    to ``row.output_token_ids``); ``ValueError`` where the grammar rejects one."""
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    bitmask = allocate_bitmask(1, logits.shape[-1])
+    for j in range(logits.shape[0]):
+        mask = None
+        if grammar.active:
+            grammar.matcher.fill_bitmask(bitmask, 0)
+            mask = GrammarMask(bitmask.to(logits.device), [0])
+        [token], [token_lp] = sample(logits[j:j + 1], [row], generator, mask)
+        row.output_token_ids.append(token)
+        rejected = grammar.accept(row.output_token_ids)
+        if rejected is not None:
+            raise ValueError(rejected)
+        tokens.append(token)
+        logprobs.append(token_lp)
+        if j == len(drafts) or token != drafts[j]:
+            break
+    return tokens, logprobs
 
 
 def continue_drafts(logits: torch.Tensor, drafts: list[int], row: SamplingRow,

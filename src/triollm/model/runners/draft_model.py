@@ -35,6 +35,8 @@ from triollm.model.runners.batch import DecodeAttention, prepare_batch, run_forw
 from triollm.model.runners.setup import profile_kv_specs
 from triollm.model.sampler import SamplingRow, sampling_probs
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput
+from triollm.structured_output.bitmask import allocate_bitmask, apply_bitmask
+from triollm.structured_output.matchers import SampleGrammar
 
 __all__ = ["DraftModel", "DraftRequest", "Proposal"]
 
@@ -51,6 +53,8 @@ class DraftRequest:
     block_table: list[int]
     num_proposals: int
     row: SamplingRow
+    #: The request's grammar (None: unconstrained): the drafts follow its masks.
+    grammar: SampleGrammar | None = None
 
 
 @dataclass(frozen=True)
@@ -125,11 +129,12 @@ class DraftModel:
                 self._computed[request_id] = 0
 
     def propose_after(self, items: list[ScheduledRequest], output: RunnerOutput,
-                      sampling_row: Callable[[ScheduledRequest], SamplingRow]
-                      ) -> dict[str, Proposal]:
+                      sampling_row: Callable[[ScheduledRequest], SamplingRow],
+                      grammar: Callable[[str], SampleGrammar | None]) -> dict[str, Proposal]:
         """After a step's sampling: the proposals of its items that ask for them
-        (``num_proposals``) and sampled, also in ``output.draft_token_ids``. Where the
-        draft fails, nothing is proposed (the outputs never depend on it)."""
+        (``num_proposals``) and sampled, also in ``output.draft_token_ids``, each cut at
+        the first token its ``grammar`` forbids. Where the draft fails, nothing is
+        proposed (the outputs never depend on it)."""
         requests = []
         for item in items:
             if item.num_proposals and item.request_id in output.sampled_token_ids \
@@ -137,7 +142,7 @@ class DraftModel:
                 row = sampling_row(item)
                 requests.append(DraftRequest(
                     item.request_id, row.prompt_token_ids + row.output_token_ids,
-                    item.block_table, item.num_proposals, row))
+                    item.block_table, item.num_proposals, row, grammar(item.request_id)))
         if not requests:
             return {}
         try:
@@ -146,6 +151,12 @@ class DraftModel:
             logger.warning("the draft model failed; no drafts this step", exc_info=True)
             return {}
         for request_id, proposal in proposals.items():
+            constraint = grammar(request_id)
+            if constraint is not None:
+                valid = constraint.valid_prefix(proposal.token_ids)
+                proposal = proposals[request_id] = Proposal(
+                    proposal.token_ids[:valid],
+                    None if proposal.probs is None else proposal.probs[:valid])
             output.draft_token_ids[request_id] = proposal.token_ids
         return proposals
 
@@ -169,15 +180,38 @@ class DraftModel:
                 length, len(request.block_table) * self.block_size)
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        wanted = [request.num_proposals for request in requests]
+        #: Tokens each request's grammar took (given back at the end).
+        advanced = [0] * len(requests)
         active = list(range(len(requests)))
-        while active:
-            logits = self._forward(items)
-            self._choose(logits, [requests[i] for i in active], [drafts[i] for i in active],
-                         [probs[i] for i in active])
-            active = [i for i in active if len(drafts[i]) < requests[i].num_proposals]
-            items = [_query(requests[i].request_id, drafts[i][-1:],
-                            len(requests[i].token_ids) + len(drafts[i]) - 1, tables[i])
-                     for i in active]
+        try:
+            while active:
+                logits = self._forward(items)
+                self._choose(logits, [requests[i] for i in active],
+                             [drafts[i] for i in active], [probs[i] for i in active])
+                for i in active:
+                    constraint = requests[i].grammar
+                    if constraint is None or not constraint.active:
+                        continue
+                    if constraint.matcher.is_terminated():  # it takes nothing more
+                        wanted[i] = len(drafts[i])
+                        continue
+                    if not constraint.matcher.accept_token(drafts[i][-1]):
+                        drafts[i].pop()
+                        del probs[i][len(drafts[i]):]
+                        wanted[i] = len(drafts[i])
+                        continue
+                    advanced[i] += 1
+                    if constraint.matcher.is_terminated():  # nothing past its end
+                        wanted[i] = len(drafts[i])
+                active = [i for i in active if len(drafts[i]) < wanted[i]]
+                items = [_query(requests[i].request_id, drafts[i][-1:],
+                                len(requests[i].token_ids) + len(drafts[i]) - 1, tables[i])
+                         for i in active]
+        finally:  # each matcher back where its request's output is
+            for i, request in enumerate(requests):
+                if advanced[i] and request.grammar is not None:
+                    request.grammar.matcher.rollback(advanced[i])
         return {request.request_id: Proposal(
                     drafts[i], torch.stack(probs[i]) if probs[i] else None)
                 for i, request in enumerate(requests)}
@@ -203,6 +237,15 @@ class DraftModel:
         if self.draft_vocab < self.vocab_size:  # token ids the draft cannot propose
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - self.draft_vocab),
                                              value=float("-inf"))
+        constrained = [row for row, request in enumerate(requests)
+                       if request.grammar is not None and request.grammar.active]
+        if constrained:
+            bitmask = allocate_bitmask(len(constrained), self.vocab_size)
+            for i, row in enumerate(constrained):
+                grammar = requests[row].grammar
+                assert grammar is not None
+                grammar.matcher.fill_bitmask(bitmask, i)
+            apply_bitmask(logits, bitmask.to(logits.device), constrained)
         greedy = logits.argmax(dim=-1).tolist()
         for row, request in enumerate(requests):
             if request.row.params.is_greedy:

@@ -269,7 +269,8 @@ class TorchModelRunner:
         output = self._sample(items, logits, batch.keep_owner, masks)
         if self.draft is not None:
             for request_id, proposal in self.draft.propose_after(
-                    items, output, self._sampling_row).items():
+                    items, output, self._sampling_row,
+                    lambda request_id: self._requests[request_id].grammar).items():
                 self._requests[request_id].proposal = proposal
         output.failed.update(failed)
         return dataclasses.replace(output, forward_seconds=forward_seconds,
@@ -363,7 +364,7 @@ class TorchModelRunner:
                                   rows[sample_items.index(i)],
                                   proposal.probs if proposal is not None
                                   and proposal.token_ids[:len(drafts)] == drafts else None,
-                                  output, self.generator)
+                                  output, self.generator, state.grammar)
 
         for i, item in enumerate(items):
             if item.wants_prompt_logprobs and item.request_id not in output.failed:
