@@ -229,3 +229,22 @@ def test_drafts_sampled_from_a_draft_distribution_keep_the_targets() -> None:
     expected = float(torch.minimum(p[0], q[0]).sum())
     assert abs(first_accepted / SAMPLES - expected) < 0.03
     assert expected > float((p[0] * q[0]).sum()) + 0.1
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_lora_requests_speculate_and_match_without_speculation(
+        method: str, tmp_path: Path, llama_path: Path, drafts: dict[str, Path]) -> None:
+    from triollm.lora.request import LoRARequest
+    from triollm.testing import build_lora_adapter
+
+    adapter = LoRARequest("a", 1, str(build_lora_adapter(llama_path, tmp_path / "a", seed=5)))
+    engine = {**ENGINE, "enable_lora": True, "max_loras": 1}
+    spec = (draft_spec(drafts["noisy-llama"]) if method == "draft_model" else
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3, "disable_by_batch_size": 8})
+    plain = LLM(str(llama_path), **engine).generate(
+        token_prompts(), greedy(30), lora_request=adapter)
+    llm = LLM(str(llama_path), speculative_config=spec, **engine)
+    assert tokens_of(llm.generate(token_prompts(), greedy(30), lora_request=adapter)
+                     ) == tokens_of(plain)
+    assert spec_counts(llm)[1] > 0

@@ -6,8 +6,9 @@ looked up here; with ``draft_model`` the runner's draft model proposed them afte
 request's previous step (``num_proposals`` asks for them, ``receive`` keeps them).
 A request speculates only where the runner's verification reproduces its sampling
 exactly: not with repetition, frequency or presence penalties, bad words or
-``min_tokens`` still to reach (they depend on the tokens before each position), or a
-LoRA adapter. Under a structured-output constraint the runner cuts the drafts at the
+``min_tokens`` still to reach (they depend on the tokens before each position). A
+LoRA request's drafts are verified through its adapter (a draft model proposes without
+it). Under a structured-output constraint the runner cuts the drafts at the
 first token the grammar forbids and samples each position under its mask. A step
 speculates only while at most ``disable_by_batch_size`` requests run.
 A request whose drafts keep failing pauses: over its last ``ACCEPTANCE_WINDOW``
@@ -76,8 +77,7 @@ def can_speculate(request: Request) -> bool:
     params = request.sampling_params
     return (params is not None and not params.has_penalties
             and not params.bad_words_token_ids
-            and request.num_output_tokens >= params.min_tokens
-            and request.lora_request is None)
+            and request.num_output_tokens >= params.min_tokens)
 
 
 class Speculator:
