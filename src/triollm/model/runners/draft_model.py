@@ -5,8 +5,11 @@ model thread after the target's step.
 Its paged KV cache has the target's blocks, addressed by the target's block tables,
 so the target's block manager governs both: a block freed by a rollback, a
 preemption, an abort or a finish is freed for the draft too, and a prefix-cached
-block holds the draft's keys and values of the same tokens. Past the target's table a
-proposing request writes its chain of drafts into scratch blocks of its own.
+block holds the draft's keys and values of its tokens wherever the request that
+filled it proposed (one that never did, a prompt whose only output is one token say,
+leaves the draft's half stale: the draft's proposals after it are worse, the outputs
+the same). Past the target's table a proposing request writes its chain of drafts
+into scratch blocks of its own.
 
 The draft catches up lazily: per request it knows up to where its cache holds the
 sequence's true tokens, and a proposing step first runs the tokens from there to the
