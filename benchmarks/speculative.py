@@ -157,9 +157,10 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="the config's key (default: the engine's)")
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"],
+                        choices=["ngram", "draft_model"], help="the speculative runs")
     parser.add_argument("--draft-layers", type=int, default=4,
-                        help="the draft model's decoder layers, the target's first (0: "
-                             "no draft-model run)")
+                        help="the draft model's decoder layers, the target's first")
     parser.add_argument("--optimization-level", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
@@ -177,8 +178,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         model = os.path.join(directory, "model")
         save_model(model)
-        configs = {"plain": "", "ngram": json.dumps(spec)}
-        if args.draft_layers:
+        configs = {"plain": ""}
+        if "ngram" in args.methods:
+            configs["ngram"] = json.dumps(spec)
+        if "draft_model" in args.methods:
             draft = os.path.join(directory, "draft")
             save_draft(model, draft, args.draft_layers)
             draft_spec = {"method": "draft_model", "model": draft,
