@@ -248,3 +248,13 @@ def test_lora_requests_speculate_and_match_without_speculation(
     assert tokens_of(llm.generate(token_prompts(), greedy(30), lora_request=adapter)
                      ) == tokens_of(plain)
     assert spec_counts(llm)[1] > 0
+
+
+def test_the_cache_holds_fewer_blocks_as_each_costs_both_models_bytes(
+        llama_path: Path, drafts: dict[str, Path]) -> None:
+    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_space_gb": 0.001}
+    alone = LLM(str(llama_path), **engine).engine.statistics().num_total_blocks
+    # the noisy copy has the target's layers: a block costs twice the bytes
+    both = LLM(str(llama_path), speculative_config=draft_spec(drafts["noisy-llama"]),
+               **engine).engine.statistics().num_total_blocks
+    assert both == alone // 2
