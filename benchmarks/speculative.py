@@ -1,6 +1,6 @@
-"""N-gram speculative decoding against plain decoding: decode tokens/s at batch 1 and 4
-on a grounded workload (prompt lookup finds matches) and on one without matches, with
-and without ``--speculative-config``, in one run.
+"""Speculative decoding (n-gram and draft model) against plain decoding: decode
+tokens/s at batch 1 and 4 on a grounded workload (prompt lookup finds matches) and on
+one without matches, with and without ``--speculative-config``, in one run.
 
 The model has Qwen2.5-0.5B's shape with random bf16 weights (benchmarks/quantization.py
 builds it). Random weights summarise nothing, so the workloads are made from the
@@ -13,6 +13,11 @@ model's own behaviour, once, in a first process:
   editing a given text;
 - no match: the 4 candidates whose continuation it predicts worst, the prompt alone.
 
+The draft model (``draft_model``) is the target's own first ``--draft-layers`` decoder
+layers with its final norm and (tied) head: a random model has no smaller sibling that
+agrees with it, and a truncated copy is the cheapest honest one; its acceptance rate is
+reported as measured.
+
 Each configuration then runs in a process of its own: load (and compile, at
 ``--optimization-level``), warm up, then for each workload and batch ``b``: ``b``
 prompts generating ``--decode-tokens`` (greedy, ignore_eos) minus the same prompts
@@ -22,6 +27,7 @@ busy meanwhile (over a tenth of a core marks the figure contaminated).
 
     python benchmarks/speculative.py
     python benchmarks/speculative.py --num-speculative-tokens 5 --optimization-level 0
+    python benchmarks/speculative.py --draft-layers 6
 """
 
 from __future__ import annotations
@@ -61,6 +67,20 @@ def predicted_fraction(prompt: list[int], output: list[int], low: int, high: int
         hits += index.propose(tokens, 1) == [token]
         tokens.append(token)
     return hits / len(output)
+
+
+def save_draft(model: str, directory: str, layers: int) -> None:
+    """The target at ``model`` cut to its first ``layers`` decoder layers."""
+    import torch
+    import transformers
+
+    draft = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:layers]
+    draft.save_pretrained(directory)
+    transformers.AutoTokenizer.from_pretrained(model).save_pretrained(directory)
 
 
 def select(model: str, path: str, low: int, high: int, optimization_level: int) -> None:
@@ -137,6 +157,10 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="the config's key (default: the engine's)")
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"],
+                        choices=["ngram", "draft_model"], help="the speculative runs")
+    parser.add_argument("--draft-layers", type=int, default=4,
+                        help="the draft model's decoder layers, the target's first")
     parser.add_argument("--optimization-level", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
@@ -148,11 +172,23 @@ def main() -> None:
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     print(f"# {platform_line()}; {os.cpu_count()} CPUs; Python {platform.python_version()}")
-    print(f"# speculative_config {json.dumps(spec)}; dtype {args.dtype}")
+    print(f"# speculative_config {json.dumps(spec)}; draft_model: the target's first "
+          f"{args.draft_layers} layers; dtype {args.dtype}")
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as directory:
         model = os.path.join(directory, "model")
         save_model(model)
+        configs = {"plain": ""}
+        if "ngram" in args.methods:
+            configs["ngram"] = json.dumps(spec)
+        if "draft_model" in args.methods:
+            draft = os.path.join(directory, "draft")
+            save_draft(model, draft, args.draft_layers)
+            draft_spec = {"method": "draft_model", "model": draft,
+                          "num_speculative_tokens": args.num_speculative_tokens}
+            if args.disable_by_batch_size is not None:
+                draft_spec["disable_by_batch_size"] = args.disable_by_batch_size
+            configs["draft_model"] = json.dumps(draft_spec)
         workloads = os.path.join(directory, "workloads.json")
         chosen, others = run_child(
             [sys.executable, os.path.join(here, "speculative.py"), "--select", model,
@@ -162,7 +198,7 @@ def main() -> None:
               f"{[round(s, 2) for s in chosen['grounded_predicted']]}, no match "
               f"{[round(s, 2) for s in chosen['no_match_predicted']]}")
         results = {}
-        for mode, config in (("plain", ""), ("ngram", json.dumps(spec))):
+        for mode, config in configs.items():
             command = [sys.executable, os.path.join(here, "speculative.py"), "--child", model,
                        workloads, config, json.dumps(args.batches), str(args.decode_tokens),
                        str(args.optimization_level), str(args.repeats)]
@@ -179,9 +215,10 @@ def main() -> None:
             (f"{result[key]:.1f}" + (f" ({result[key] / base[key]:.2f}x)"
                                      if mode != "plain" else "")).rjust(24) for key in keys)
         print(f"{mode:>8}{cells}")
-    spec_result = results["ngram"]
-    print("acceptance" + "".join(
-        f"{spec_result.get(key + '_acceptance', 0.0):>22.2f}" for key in keys))
+    for mode in results:
+        if mode != "plain":
+            print(f"acceptance {mode}" + "".join(
+                f"{results[mode].get(key + '_acceptance', 0.0):>22.2f}" for key in keys))
 
 
 if __name__ == "__main__":

@@ -40,13 +40,21 @@ def test_ngram_config_takes_vllms_fields_and_defaults() -> None:
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 2)
     assert config.disable_by_batch_size == 7
     assert parse(None) is None and parse({}) is None
+    config = parse({"method": "draft_model", "model": "d", "num_speculative_tokens": 4,
+                    "draft_tensor_parallel_size": 1})
+    assert (config.method, config.model, config.num_speculative_tokens,
+            config.disable_by_batch_size) == ("draft_model", "d", 4, 1)
 
 
 @pytest.mark.parametrize(("value", "kwargs", "message"), [
-    ({"method": "draft_model", "num_speculative_tokens": 3, "model": "m"}, {},
-     "unsupported field.*model"),
+    ({**NGRAM, "model": "m"}, {}, r"speculative_config.model: does not apply to method"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, {},
-     r"speculative_config.method: 'draft_model' is not supported"),
+     r"speculative_config.model: is required with method 'draft_model'"),
+    ({"method": "draft_model", "num_speculative_tokens": 3, "model": "m",
+      "draft_tensor_parallel_size": 2}, {}, "draft_tensor_parallel_size: must be 1"),
+    ({"method": "draft_model", "num_speculative_tokens": 3, "model": "m",
+      "prompt_lookup_max": 2}, {}, "prompt_lookup_max: does not apply to method"),
+    ({"method": "draft_model", "model": "m"}, {}, "num_speculative_tokens: is required"),
     ({"method": "eagle", "num_speculative_tokens": 3}, {}, "'eagle' is not supported"),
     ({"num_speculative_tokens": 3}, {}, "speculative_config.method: is required"),
     ({"method": "ngram"}, {}, "num_speculative_tokens: is required"),
@@ -75,7 +83,7 @@ def test_engine_args_resolve_the_config_and_turn_async_scheduling_off() -> None:
     assert not config.scheduler.async_scheduling
     with pytest.raises(ValueError, match=r"speculative_config\.method"):
         EngineArgs(model="triollm/tiny-demo", device="cpu",
-                   speculative_config={"method": "draft_model"}).create_engine_config()
+                   speculative_config={"method": "eagle"}).create_engine_config()
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(model="triollm/tiny-demo", device="cpu", async_scheduling=True,
                    speculative_config=NGRAM).create_engine_config()

@@ -20,7 +20,6 @@ from triollm.model.draft_verify import continue_drafts
 from triollm.model.sampler import SamplingRow, sample
 from triollm.outputs import RequestOutput
 from triollm.sampling_params import RequestOutputKind
-from triollm.structured_output import StructuredOutputsParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3, "disable_by_batch_size": 8}
@@ -115,12 +114,6 @@ def test_requests_the_verifier_cannot_reproduce_do_not_speculate(
     assert spec is not None and after is not None
     # min_tokens speculates only once it is reached: at most 10 steps' drafts.
     assert after.num_drafts - spec.num_drafts <= 10
-    choice = SamplingParams(temperature=0, max_tokens=20, structured_outputs=(
-        StructuredOutputsParams(choice=["alpha beta", "gamma"])))
-    before = spec_llm.engine.statistics().spec_decoding
-    [out] = spec_llm.generate(token_prompts(PROMPTS[:1]), choice)
-    assert out.outputs[0].text in ("alpha beta", "gamma")
-    assert spec_llm.engine.statistics().spec_decoding == before
 
 
 def test_qwen2_with_a_tiny_cache_that_preempts_matches_without_speculation(

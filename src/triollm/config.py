@@ -216,10 +216,11 @@ class StructuredOutputsConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``--speculative-config``, method ``ngram`` (prompt lookup): each decode
+    """vLLM's ``--speculative-config``. Method ``ngram`` (prompt lookup): each decode
     proposes the tokens that followed the latest earlier occurrence of its sequence's
-    last ``prompt_lookup_max`` ... ``prompt_lookup_min`` tokens, and one forward
-    verifies them (docs/serving.md, "Speculative decoding")."""
+    last ``prompt_lookup_max`` ... ``prompt_lookup_min`` tokens. Method ``draft_model``:
+    a small model of the target's tokenizer (``model``) proposes them. One forward of
+    the target verifies them (docs/serving.md, "Speculative decoding")."""
 
     method: str
     #: The most draft tokens proposed per request and step.
@@ -229,6 +230,8 @@ class SpeculativeConfig:
     #: A step speculates only while at most this many requests run (older vLLM's
     #: ``speculative_disable_by_batch_size``).
     disable_by_batch_size: int
+    #: ``draft_model``: the draft model's path or hub id (None for ``ngram``).
+    model: str | None = None
 
 
 #: vLLM's older name for the same settings (``get_decoding_config()``).

@@ -88,8 +88,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                                  'disable_additional_properties, reasoning_parser, '
                                  'enable_in_reasoning',
     "guided_decoding_backend": "older vLLM's backend flag: NAME[:no-fallback,...]",
-    "speculative_config": 'speculative decoding as JSON: method ngram (prompt lookup), '
-                          'num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, '
+    "speculative_config": 'speculative decoding as JSON: method ngram (prompt lookup: '
+                          'prompt_lookup_min, prompt_lookup_max) or draft_model (model), '
+                          'num_speculative_tokens, '
                           'disable_by_batch_size (e.g. \'{"method": "ngram", '
                           '"num_speculative_tokens": 3}\')',
     "pooler_config": 'overrides of the model\'s pooling as JSON: pooling_type (MEAN, CLS, '

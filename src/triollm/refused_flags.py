@@ -34,8 +34,8 @@ _KERNELS = "vLLM's kernel, CUDA-graph and compilation settings have no counterpa
 _TRACING = ("NVTX and trace-replay tracing are not supported (OpenTelemetry is: "
             "--otlp-traces-endpoint)")
 _METRICS = "this metric is not implemented"
-_SPEC = ("pass speculative decoding as --speculative-config JSON (method ngram only: no "
-         "draft models)")
+_SPEC = ("pass speculative decoding as --speculative-config JSON (method ngram, or "
+         "draft_model with its model)")
 _OFFLOAD = "weight and KV-cache offloading are not supported"
 _DISAGG = "disaggregated serving (KV, encoder-cache and weight transfer) is not supported"
 _MAMBA = "triollm serves attention-only transformers models (no Mamba or hybrid caches)"

@@ -51,6 +51,9 @@ class ScheduledRequest:
     structured_output: StructuredOutputRequest | None = None
     #: Draft tokens ending ``token_ids``, to verify (0: none).
     num_draft_tokens: int = 0
+    #: Speculative decoding with a draft model: how many draft tokens the runner
+    #: proposes after this step's tokens (``RunnerOutput.draft_token_ids``; 0: none).
+    num_proposals: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +127,9 @@ class RunnerOutput:
     #: So ``len(more_token_ids[id])`` of its drafts were accepted.
     more_token_ids: dict[str, list[int]] = field(default_factory=dict)
     more_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    #: A draft model's proposals for the next step of the requests that asked for them
+    #: (``ScheduledRequest.num_proposals``).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     #: For requests that asked for prompt logprobs: one entry per prompt position whose
     #: next prompt token was scored in this step, in order (the chosen token is that
     #: next prompt token).

@@ -147,8 +147,8 @@ class EngineArgs:
     #: ``int4``'s input columns per group (-1: per channel); triollm's own flag.
     quantization_group_size: int = DEFAULT_GROUP_SIZE
     #: Speculative decoding, as vLLM's dict or its JSON: ``method`` ``ngram`` (prompt
-    #: lookup), ``num_speculative_tokens``, ``prompt_lookup_min``/``max``,
-    #: ``disable_by_batch_size`` (engine/speculative/config.py).
+    #: lookup: ``prompt_lookup_min``/``max``) or ``draft_model`` (``model``),
+    #: ``num_speculative_tokens``, ``disable_by_batch_size`` (engine/speculative/config.py).
     speculative_config: dict[str, Any] | str | None = None
     #: The KV cache's element type: ``auto`` (the model's dtype), ``fp8_e5m2``, or
     #: ``fp8``/``fp8_e4m3`` (8 bits: half a bf16 cache's memory; docs/quantization.md).

@@ -26,7 +26,8 @@ one that a stop token or string ends wastes that one token's work, which is disc
 Preemption only happens with nothing in flight: where it would be needed, the scheduler
 schedules nothing more until the steps in flight are applied, then preempts as usual.
 
-Speculative decoding (``speculator``): a decode may carry draft tokens, budgeted and
+Speculative decoding (``speculator``): a decode may carry draft tokens (looked up, or
+proposed by a draft model after the request's previous step), budgeted and
 given KV slots like any token. Once verified, only its accepted drafts count as
 computed: the rejected positions' blocks are freed, and never hashed.
 
@@ -361,6 +362,8 @@ class Scheduler:
             lora_request=request.lora_request,
             structured_output=request.structured_output,
             num_draft_tokens=num_drafts,
+            num_proposals=(self.speculator.num_proposals(request, len(self.running))
+                           if self.speculator is not None and sample else 0),
         )
 
     def _detach(self, request: Request) -> None:
@@ -400,6 +403,8 @@ class Scheduler:
         """After a step ran (the oldest in flight): the scheduled tokens now have their
         KV in the cache, less the drafts ``runner_output`` rejected, whose blocks go."""
         self._land(output)
+        if self.speculator is not None and runner_output is not None:
+            self.speculator.receive(output, runner_output)
         for item in output.scheduled:
             request = self._queued.get(item.request_id)
             if request is not None and request.status is RequestStatus.RUNNING:

@@ -22,7 +22,7 @@ from triollm.sampling_params import SamplingParams
 from triollm.step import TokenLogprobs
 from triollm.structured_output.bitmask import GrammarMask, apply_bitmask
 
-__all__ = ["SamplingRow", "sample", "token_logprobs"]
+__all__ = ["SamplingRow", "sample", "sampling_probs", "token_logprobs"]
 
 
 @dataclass
@@ -74,6 +74,19 @@ def sample(
         for i in wants_logprobs:
             logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], rows[i].params.logprobs)
     return token_list, logprobs
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distributions ``sample`` draws the (non-greedy) ``rows`` from, ``[N, vocab]``
+    float32 summing to 1: for speculative decoding's rejection rule, whose requests
+    have no grammar."""
+    logits = logits.float().clone()
+    _apply_min_tokens(logits, rows)
+    _apply_allowed_tokens_and_bias(logits, rows)
+    _apply_bad_words(logits, rows)
+    _apply_penalties(logits, rows)
+    probs = _filtered_probs(logits, [row.params for row in rows])
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def token_logprobs(row_logprobs: torch.Tensor, token_id: int, top_k: int | None) -> TokenLogprobs:

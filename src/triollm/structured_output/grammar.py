@@ -26,6 +26,15 @@ class GrammarMatcher(Protocol):
         """Advance by ``token_id``; False (and no advance) if the grammar forbids it."""
         ...
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, from the first, the grammar accepts in turn; the
+        matcher does not advance (speculative decoding checks its drafts)."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (a draft model's proposals)."""
+        ...
+
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         """Write the tokens allowed next into row ``row`` of ``bitmask``, a contiguous
         CPU int32 torch tensor ``[rows, ceil(vocab / 32)]``: bit ``t % 32`` of word

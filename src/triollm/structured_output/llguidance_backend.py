@@ -37,6 +37,14 @@ class GuidanceMatcher:
             return False
         return bool(self._matcher.consume_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        if self._matcher.is_error():
+            return 0
+        return int(self._matcher.validate_tokens(token_ids))
+
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         row_bytes = bitmask.stride(0) * 4
         # The mask is computed in Rust with the GIL released.

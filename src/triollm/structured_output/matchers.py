@@ -43,6 +43,14 @@ class SampleGrammar:
         return (f"structured outputs: the {self.request.grammar.backend} grammar "
                 f"({self.request.grammar.kind}) rejected token {token}")
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of the draft tokens ``token_ids`` the grammar would accept next, in
+        turn (0 while the constraint waits for the reasoning to end: a draft could
+        cross that end)."""
+        if not self.active:
+            return 0
+        return self.matcher.validate_tokens(token_ids)
+
 
 @dataclass
 class PendingMask:

@@ -43,6 +43,19 @@ class XgrammarMatcher:
             return bool(int(self._eos_row[token_id // 32]) >> (token_id % 32) & 1)
         return bool(self._matcher.accept_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        accepted = 0
+        for token_id in token_ids:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
+                break
+            accepted += 1
+        if accepted:
+            self._matcher.rollback(accepted)
+        return accepted
+
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         if self._matcher.is_terminated():
             bitmask[row].copy_(self._eos_row)

@@ -27,7 +27,7 @@ from triollm.model.attention.paged import ATTENTION_NAME
 from triollm.model.cpu.decode import load_kernel
 from triollm.model.cpu.helpers import drain_pools
 from triollm.model.cpu.threads import ComputeThreads
-from triollm.model.draft_verify import continue_drafts
+from triollm.model.draft_verify import verify_drafts
 from triollm.model.loader import load_model
 from triollm.model.lora.manager import LoRAManager
 from triollm.model.runners.background_compile import BackgroundCompile, background_build
@@ -40,6 +40,7 @@ from triollm.model.runners.compile import (
     plan_compile,
 )
 from triollm.model.runners.compile_cache import use_private_compile_cache
+from triollm.model.runners.draft_model import DraftModel, Proposal
 from triollm.model.runners.setup import num_kv_blocks, prepare_for_cpu, profile_kv_specs
 from triollm.model.runners.summary import attention_name, compile_mode, log_summary
 from triollm.model.sampler import SamplingRow, sample, token_logprobs
@@ -62,6 +63,8 @@ class _RequestState:
     generator: torch.Generator | None
     #: Structured outputs: the sample's matcher (None: unconstrained).
     grammar: SampleGrammar | None = None
+    #: A draft model's proposal for the request's next step.
+    proposal: Proposal | None = None
 
 
 class TorchModelRunner:
@@ -101,6 +104,9 @@ class TorchModelRunner:
                           if model_config.quantization is not None else None),
         )
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        spec = config.speculative
+        self.draft = (DraftModel(config, self.vocab_size)
+                      if spec is not None and spec.model is not None else None)
         self.compute_threads: ComputeThreads | None = (
             prepare_for_cpu(self.model, model_config.cpu_threads,
                             model_config.quantization) if on_cpu else None)
@@ -118,7 +124,10 @@ class TorchModelRunner:
         logger.debug("sizing the KV cache...")
         # the profile forward also shows which layers read the same input (LoRA groups)
         specs = self.lora.calibrate(profile) if self.lora is not None else profile()
-        self.num_kv_blocks = num_kv_blocks(config, specs, self.cache_dtype)
+        # A draft model's cache has the same blocks: each costs both models' bytes.
+        self.num_kv_blocks = num_kv_blocks(
+            config, specs | (self.draft.specs if self.draft is not None else {}),
+            self.cache_dtype)
         self.kv_cache = PagedKVCache(specs, self.num_kv_blocks, self.block_size,
                                      self.cache_dtype, self.device)
         self.kv_cache.number_layers(self.model)
@@ -147,6 +156,8 @@ class TorchModelRunner:
                 else:
                     self.compiled = compile_model(dummy, self.decode_attention,
                                                   self.compute_threads, self.dtype)
+        if self.draft is not None:
+            self.draft.allocate(self.num_kv_blocks, self.cache_dtype, self.decode_attention)
         log_summary(config, self.model, self.kv_cache, self.compute_threads,
                     self.decode_attention,
                     compile_mode(config, self.compiled, self._background is not None))
@@ -215,6 +226,8 @@ class TorchModelRunner:
         started = time.perf_counter()
         for request_id in scheduler_output.finished_request_ids:
             self._requests.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.drop(scheduler_output)
         if self._background is not None:
             self.switch_when_compiled()
         if scheduler_output.is_empty:
@@ -254,6 +267,11 @@ class TorchModelRunner:
                 self.lora.end_step()
         forward_seconds = time.perf_counter() - forward_started
         output = self._sample(items, logits, batch.keep_owner, masks)
+        if self.draft is not None:
+            for request_id, proposal in self.draft.propose_after(
+                    items, output, self._sampling_row,
+                    lambda request_id: self._requests[request_id].grammar).items():
+                self._requests[request_id].proposal = proposal
         output.failed.update(failed)
         return dataclasses.replace(output, forward_seconds=forward_seconds,
                                    execute_seconds=time.perf_counter() - started)
@@ -300,6 +318,8 @@ class TorchModelRunner:
             generator.manual_seed(item.sampling.seed)
         grammar = (None if item.structured_output is None
                    else SampleGrammar(item.structured_output))
+        if self.draft is not None:
+            self.draft.start(item.request_id, item.start_position)
         return _RequestState(item.prompt_token_ids, [], generator, grammar)
 
     def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor,
@@ -313,17 +333,9 @@ class TorchModelRunner:
         output = RunnerOutput()
         sample_items = [i for i, item in enumerate(items) if item.sample]
         if sample_items:
-            rows = [
-                SamplingRow(
-                    params=items[i].sampling,
-                    generator=self._requests[items[i].request_id].generator,
-                    prompt_token_ids=items[i].prompt_token_ids,
-                    output_token_ids=self._requests[items[i].request_id].output_token_ids,
-                )
-                for i in sample_items
-            ]
+            rows = [self._sampling_row(items[i]) for i in sample_items]
             # A request with drafts samples after its first position here, then the
-            # drafts are verified (_verify_drafts).
+            # drafts are verified (model/draft_verify.py).
             row_index = torch.tensor([first_row[i] if items[i].num_draft_tokens else last_row[i]
                                       for i in sample_items], device=logits.device)
             grammar_mask = masks.wait()
@@ -346,8 +358,13 @@ class TorchModelRunner:
                 if token_lp is not None:
                     output.logprobs[request_id] = token_lp
                 if items[i].num_draft_tokens:
-                    self._verify_drafts(items[i], logits[first_row[i] + 1:last_row[i] + 1],
-                                        rows[sample_items.index(i)], output)
+                    proposal, state.proposal = state.proposal, None
+                    drafts = items[i].token_ids[-items[i].num_draft_tokens:]
+                    verify_drafts(items[i], logits[first_row[i]:last_row[i] + 1],
+                                  rows[sample_items.index(i)],
+                                  proposal.probs if proposal is not None
+                                  and proposal.token_ids[:len(drafts)] == drafts else None,
+                                  output, self.generator, state.grammar)
 
         for i, item in enumerate(items):
             if item.wants_prompt_logprobs and item.request_id not in output.failed:
@@ -358,22 +375,11 @@ class TorchModelRunner:
                     output.failed[item.request_id] = f"prompt logprobs: {error!r}"
         return output
 
-    def _verify_drafts(self, item: ScheduledRequest, logits: torch.Tensor, row: SamplingRow,
-                       output: RunnerOutput) -> None:
-        """Past a request's first draft, where its sampled token equalled it
-        (model/draft_verify.py)."""
-        request_id = item.request_id
-        drafts = item.token_ids[-item.num_draft_tokens:]
-        if output.sampled_token_ids[request_id] != drafts[0]:
-            return
-        try:
-            tokens, logprobs = continue_drafts(logits, drafts[1:], row, self.generator)
-        except Exception as error:
-            output.failed[request_id] = f"verifying draft tokens: {error!r}"
-            return
-        self._requests[request_id].output_token_ids.extend(tokens)
-        output.more_token_ids[request_id] = tokens
-        output.more_logprobs[request_id] = [lp for lp in logprobs if lp is not None]
+    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+        state = self._requests[item.request_id]
+        return SamplingRow(params=item.sampling, generator=state.generator,
+                           prompt_token_ids=item.prompt_token_ids,
+                           output_token_ids=state.output_token_ids)
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow],
                      sample_items: list[int], items: list[ScheduledRequest],
@@ -417,6 +423,8 @@ class TorchModelRunner:
         drain_pools()  # no kernel helper reads the weights or the cache once they go
         self.mask_filler.shutdown()
         self._requests.clear()
+        if self.draft is not None:
+            self.draft.shutdown()
         del self.kv_cache
         del self.model
         if self.device.type == "cuda":
