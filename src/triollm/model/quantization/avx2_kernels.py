@@ -11,9 +11,10 @@ The C library (``csrc/qgemm_avx2.c``) holds a weight per block of 16 outputs:
 - ``Avx2Int8Kernel``: signed bytes (``q - zero``), a fp32 scale per output.
 
 A unit of work is one block's product for up to 16 rows, 4 at a time (its weights
-read from memory once, from cache for the further rows): at one row it reads the
-weights at close to memory speed, and it stays faster than gemm_avx2.py's bf16 kernel
-at prefill's hundreds of rows too (docs/benchmarks.md), so it takes every row count.
+read from memory once, from cache for the further rows). At one row int8 runs near
+memory speed on one core and int4 about half as fast per byte (unpacking nibbles is
+its bound; more threads share it); it stays faster than gemm_avx2.py's bf16 kernel at
+prefill's hundreds of rows too (docs/benchmarks.md), so it takes every row count.
 Threads split the units: torch's OpenMP threads, or the helper pool (helpers.py)
 where the thread policy computes on one thread.
 
