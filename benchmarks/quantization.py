@@ -3,8 +3,9 @@ prefill tokens/s, for ``--quantization int4`` and ``int8`` and the bf16 model, i
 
 The model has Qwen2.5-0.5B's shape (24 layers, hidden 896, MLP 4864, 14 query and 2
 key-value heads, its 151,936-token vocabulary with the LM head tied to the embeddings)
-with random bf16 weights; quantization replaces the decoder's linear layers (the tied
-head and the embeddings stay bf16, as vLLM leaves them). Each configuration runs in a
+with random bf16 weights; quantization replaces the decoder's linear layers, and the
+tied head computes on an int8 copy (the embeddings stay bf16; see
+model/quantization/lm_head.py). Each configuration runs in a
 process of its own: load (and compile, at ``--optimization-level``), warm up, then
 
 - decode at batch ``b``: ``b`` prompts of 32 tokens generating ``--decode-tokens``

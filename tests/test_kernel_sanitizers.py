@@ -1,8 +1,10 @@
-"""The helper pool and the decode kernel under ThreadSanitizer and under AddressSanitizer
-with UndefinedBehaviorSanitizer: ``tests/csrc/pool_driver.c`` runs jobs on helpers
-(two callers at once, helpers that stall so the caller takes their units back, drains)
-and decode attention on the pool against its OpenMP entry point; it must give the right
-answers and the sanitizer must report nothing."""
+"""The helper pool, the decode kernel and the AVX2 int4/int8 kernel under ThreadSanitizer
+and under AddressSanitizer with UndefinedBehaviorSanitizer: ``tests/csrc/pool_driver.c``
+runs jobs on helpers (two callers at once, helpers that stall so the caller takes their
+units back, drains) and decode attention on the pool against its OpenMP entry point;
+``tests/csrc/qgemm_driver.c`` runs both quantized layouts on stalling helpers against
+one OpenMP thread and an exact product. Each must give the right answers and the
+sanitizer must report nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 
 from triollm.model.cpu.build import CSRC
 
-DRIVER = Path(__file__).parent / "csrc" / "pool_driver.c"
+DRIVERS = Path(__file__).parent / "csrc"
 
 
 def _compiler() -> str:
@@ -37,16 +39,19 @@ def _has_runtime(sanitizer: str, work: Path) -> bool:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the pool has helpers on Linux only")
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
-def test_the_pool_and_the_decode_kernel_run_clean_under_a_sanitizer(
-        sanitizer: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("driver", "kernel"), [("pool_driver.c", "decode.c"),
+                                                ("qgemm_driver.c", "qgemm_avx2.c")],
+                         ids=["decode", "qgemm_avx2"])
+def test_the_pool_and_a_kernel_run_clean_under_a_sanitizer(
+        sanitizer: str, driver: str, kernel: str, tmp_path: Path) -> None:
     if not _has_runtime(sanitizer, tmp_path):
         pytest.skip(f"the C compiler has no -fsanitize={sanitizer} runtime here")
     program = tmp_path / "driver"
     subprocess.run(
         [_compiler(), "-O1", "-g", "-march=native", "-fno-omit-frame-pointer",
          f"-fsanitize={sanitizer}", "-fno-sanitize-recover=all", "-fopenmp", "-std=c11",
-         "-Wall", "-Wextra", "-Werror", f"-I{CSRC}", str(DRIVER), str(CSRC / "pool.c"),
-         str(CSRC / "decode.c"), "-lm", "-o", str(program)],
+         "-Wall", "-Wextra", "-Werror", f"-I{CSRC}", str(DRIVERS / driver),
+         str(CSRC / "pool.c"), str(CSRC / kernel), "-lm", "-o", str(program)],
         check=True, capture_output=True, text=True, timeout=300)
     environment = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66",
                    "ASAN_OPTIONS": "detect_leaks=1 exitcode=66"}

@@ -22,6 +22,7 @@ from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import LLM, LoRARequest, SamplingParams
 from triollm.engine.args import EngineArgs
 from triollm.model.quantization.linear import QuantizedLinear
+from triollm.model.quantization.lm_head import HEAD_BITS, lm_head_name
 from triollm.model.quantization.methods import ON_THE_FLY_BITS
 from triollm.model.quantization.quantize import quantize_weight
 from triollm.model.quantization.replace import quantizable_layers
@@ -33,7 +34,8 @@ LONG_TEXT = " ".join(PROMPTS * 2)
 def dequantized_copy(path: Path, target: Path, method: str, group_size: int,
                      auto: Any = AutoModelForCausalLM) -> Path:
     """``path``'s model saved under ``target`` with each layer on-the-fly quantization
-    replaces holding its quantized weight, dequantized to float32."""
+    replaces holding its quantized weight, dequantized to float32 (the LM head its
+    int8 one, untied from the embedding)."""
     if not target.exists():
         shutil.copytree(path, target)
         model = auto.from_pretrained(path, dtype=torch.float32)
@@ -43,6 +45,12 @@ def dequantized_copy(path: Path, target: Path, method: str, group_size: int,
                 weight = modules[name].weight
                 weight.copy_(quantize_weight(weight, ON_THE_FLY_BITS[method],
                                              group_size).dequantize())
+            head_name = lm_head_name(model)
+            if head_name is not None:
+                head = model.get_submodule(head_name)
+                head.weight = torch.nn.Parameter(
+                    quantize_weight(head.weight, HEAD_BITS, -1).dequantize())
+                model.config.tie_word_embeddings = False
         model.save_pretrained(target)
     return target
 
@@ -52,7 +60,7 @@ def quantized_llm(path: Path, method: str, group_size: int = 128, **args: Any) -
               **{"dtype": "float32", "max_model_len": 512, "num_gpu_blocks_override": 256,
                  **args})
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(layers) == 14, "every decoder projection should run quantized"
+    assert len(layers) == 15, "every decoder projection and the head should run quantized"
     return llm
 
 
@@ -68,12 +76,14 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(
         family: str, method: str, group_size: int, tiny_models: dict[str, Path],
         copies: Path) -> None:
     path = tiny_models[family]
-    expected = reference(dequantized_copy(path, copies / f"{family}-{method}-{group_size}",
-                                          method, group_size))
+    copy = dequantized_copy(path, copies / f"{family}-{method}-{group_size}", method,
+                            group_size)
     llm = quantized_llm(path, method, group_size)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert expected != reference(path), "quantizing should change some tokens"
+    assert [o.outputs[0].token_ids for o in outputs] == reference(copy)
+    ids = [5, 17, 42, 99, 7, 300, 12]
+    assert transformers_logprobs(copy, ids) != transformers_logprobs(path, ids), (
+        "quantizing should change the model's outputs")
 
 
 def prompt_logprobs(llm: LLM, token_ids: list[int]) -> list[float]:

@@ -89,6 +89,9 @@ KERNELS = {
     "gemm_avx2": KernelSource("gemm_avx2", pooled=True,
                               supported="triollm_gemm_avx2_supported", needs="AVX2 and FMA",
                               cpu_flag="avx2 fma"),
+    "qgemm_avx2": KernelSource("qgemm_avx2", pooled=True,
+                               supported="triollm_qgemm_avx2_supported",
+                               needs="AVX2, FMA and F16C", cpu_flag="avx2 fma f16c"),
     "varlen": KernelSource("varlen", pooled=False, supported="triollm_varlen_supported",
                            needs="AVX-512", cpu_flag="avx512f"),
 }

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from triollm.model.ops import define_op
+from triollm.model.quantization.avx2_kernels import avx2_kernel_for
 from triollm.model.quantization.kernels import QuantizedKernel, kernel_for
 from triollm.model.quantization.weights import QuantizedWeight
 
@@ -94,7 +95,8 @@ def quantized_or_plain(weight: QuantizedWeight, bias: torch.Tensor | None,
     like any other)."""
     device = weight.qweight.device
     dequantized = weight.dequantize(dtype)
-    kernel = kernel_for(weight, dtype) if device.type == "cpu" else None
+    kernel = (avx2_kernel_for(weight, dtype) or kernel_for(weight, dtype)
+              if device.type == "cpu" else None)
     if kernel is not None:
         layer = QuantizedLinear(weight, kernel, None if bias is None else bias.to(dtype))
         probe = torch.randn(3, weight.in_features, generator=torch.Generator().manual_seed(0)

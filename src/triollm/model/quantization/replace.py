@@ -5,8 +5,9 @@ what is left (model/runners/setup.py).
 (as ``model.named_modules()`` names it: ``model.layers.0.self_attn.q_proj``), as a
 checkpoint reader unpacks them; ``quantize_linear_layers`` makes them from the float
 weights (``--quantization int8`` / ``int4``), one layer at a time so that the
-full-precision and the integer copies of the model never coexist. The LM head, the
-embeddings and any weight another module shares (a tied head) stay as loaded.
+full-precision and the integer copies of the model never coexist, and the LM head
+to int8 (lm_head.py). The embeddings and any other weight another module shares stay
+as loaded; a checkpoint's head stays as stored.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from triollm.model.quantization.linear import QuantizedLinear, quantized_or_plain
+from triollm.model.quantization.lm_head import quantize_lm_head
 from triollm.model.quantization.methods import ON_THE_FLY_BITS
 from triollm.model.quantization.quantize import quantize_weight
 from triollm.model.quantization.weights import QuantizedWeight
@@ -50,7 +52,8 @@ def replace_linear_layers(model: nn.Module, weights: Mapping[str, QuantizedWeigh
 def quantize_linear_layers(model: nn.Module, method: str, group_size: int) -> int:
     """Quantize ``model``'s linear layers (``quantizable_layers``) with an on-the-fly
     ``method`` (methods.py) in groups of ``group_size`` input columns (-1: per
-    channel; int8 is always per channel), in place. Returns how many were replaced."""
+    channel; int8 is always per channel), and its LM head to int8 (lm_head.py), in
+    place. Returns how many decoder layers were replaced."""
     bits = ON_THE_FLY_BITS[method]
     modules = dict(model.named_modules())
     kernels: Counter[str] = Counter()
@@ -61,6 +64,7 @@ def quantize_linear_layers(model: nn.Module, method: str, group_size: int) -> in
         weight = quantize_weight(linear.weight, bits, group_size)
         kernels[_replace(model, modules, name, weight)] += 1
         layouts.add(_layout(weight))
+    quantize_lm_head(model)
     _log(model, method, layouts, kernels)
     return sum(kernels.values())
 

@@ -1,0 +1,285 @@
+/* Weight-only int4 (groups of scales and zero points) and int8 (a scale per output)
+   products for CPUs with AVX2, FMA and F16C (model/quantization/avx2_kernels.py), on
+   OpenMP or the helper pool; an empty library elsewhere.
+
+   Layouts, per block of 16 outputs (n is a multiple of 16):
+   - int4: uint32 [n/16][k/8][16]: the lane of output j holds its 8 inputs 8o..8o+7 as
+     nibbles, input 8o+i at bits 4i; beside it fp16 [n/16][k/G][2][16]: each group's
+     scale s and zero term s*z, so w = q*s - s*z.
+   - int8: int8 [n/16][k][16], signed; fp32 [n] scales, w = q*s.
+   A unit of work is a block of 16 outputs for up to 16 rows, computed 4 rows at a
+   time, so a block's weights come from memory once and from cache for its further
+   rows. Inputs are widened to fp32 once per call; the integer weights, converted to
+   fp32, are multiplied by broadcast inputs into per-group sums, which the group's
+   scale and zero term (times the group's input sum) fold into the output. Sums are
+   fp32, the output is rounded to bf16 once (to nearest even). */
+#include "pool.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <stdint.h>
+#include <omp.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define MAX_ROWS 16
+#define CHUNK 4
+
+int triollm_qgemm_avx2_supported(void) { return 1; }
+
+/* 8 fp32 -> 8 bf16 in the low 16 bits of each lane, rounded to nearest even. */
+static inline __m256i to_bf16_lanes(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+static inline void store_bf16(uint16_t* y, __m256 lo, __m256 hi) {
+    const __m256i packed = _mm256_packus_epi32(to_bf16_lanes(lo), to_bf16_lanes(hi));
+    _mm256_storeu_si256((__m256i*)y, _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+/* Rows [0, rows) of xf times int4 block w into out[rows][16] (fp32, overwritten).
+   xs: each row's input sum per group. Up to 2 rows, even and odd inputs sum apart, so
+   a row has 4 dependency chains. */
+static inline __attribute__((always_inline)) void q4_tile(
+    const float* xf, const float* xs, const uint32_t* w, const uint16_t* sz, float* out,
+    const int rows, int64_t k, int64_t gsize)
+{
+    const int split = rows <= 2;
+    const int64_t groups = k / gsize, octets = gsize / 8;
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(out + 16 * r, _mm256_setzero_ps());
+        _mm256_storeu_ps(out + 16 * r + 8, _mm256_setzero_ps());
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 lo[CHUNK], hi[CHUNK], lo2[CHUNK], hi2[CHUNK];
+        for (int r = 0; r < rows; r++) lo[r] = hi[r] = lo2[r] = hi2[r] = _mm256_setzero_ps();
+        const uint32_t* wg = w + g * octets * 16;
+        const float* xg = xf + g * gsize;
+        for (int64_t o = 0; o < octets; o++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i*)(wg + 16 * o));
+            const __m256i b = _mm256_loadu_si256((const __m256i*)(wg + 16 * o + 8));
+            _mm_prefetch((const char*)(wg + 16 * o) + 1024, _MM_HINT_T0);
+#define Q4_STEP(i, L, H)                                                              \
+            {                                                                         \
+                const __m256 qa = _mm256_cvtepi32_ps(                                 \
+                    _mm256_and_si256(_mm256_srli_epi32(a, 4 * (i)), mask));           \
+                const __m256 qb = _mm256_cvtepi32_ps(                                 \
+                    _mm256_and_si256(_mm256_srli_epi32(b, 4 * (i)), mask));           \
+                for (int r = 0; r < rows; r++) {                                      \
+                    const __m256 x = _mm256_broadcast_ss(xg + r * k + 8 * o + (i));   \
+                    L[r] = _mm256_fmadd_ps(qa, x, L[r]);                              \
+                    H[r] = _mm256_fmadd_ps(qb, x, H[r]);                              \
+                }                                                                     \
+            }
+            if (split) {
+                Q4_STEP(0, lo, hi) Q4_STEP(1, lo2, hi2) Q4_STEP(2, lo, hi) Q4_STEP(3, lo2, hi2)
+                Q4_STEP(4, lo, hi) Q4_STEP(5, lo2, hi2) Q4_STEP(6, lo, hi) Q4_STEP(7, lo2, hi2)
+            } else {
+                Q4_STEP(0, lo, hi) Q4_STEP(1, lo, hi) Q4_STEP(2, lo, hi) Q4_STEP(3, lo, hi)
+                Q4_STEP(4, lo, hi) Q4_STEP(5, lo, hi) Q4_STEP(6, lo, hi) Q4_STEP(7, lo, hi)
+            }
+#undef Q4_STEP
+        }
+        const uint16_t* p = sz + 32 * g;
+        const __m256 s_lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+        const __m256 s_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)));
+        const __m256 z_lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+        const __m256 z_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 24)));
+        for (int r = 0; r < rows; r++) {
+            if (split) {
+                lo[r] = _mm256_add_ps(lo[r], lo2[r]);
+                hi[r] = _mm256_add_ps(hi[r], hi2[r]);
+            }
+            const __m256 sum = _mm256_broadcast_ss(xs + r * groups + g);
+            __m256 y_lo = _mm256_loadu_ps(out + 16 * r), y_hi = _mm256_loadu_ps(out + 16 * r + 8);
+            y_lo = _mm256_fnmadd_ps(z_lo, sum, _mm256_fmadd_ps(s_lo, lo[r], y_lo));
+            y_hi = _mm256_fnmadd_ps(z_hi, sum, _mm256_fmadd_ps(s_hi, hi[r], y_hi));
+            _mm256_storeu_ps(out + 16 * r, y_lo);
+            _mm256_storeu_ps(out + 16 * r + 8, y_hi);
+        }
+    }
+}
+
+/* Rows [0, rows) of xf times int8 block w (scaled by s[16]) into out[rows][16]. */
+static inline __attribute__((always_inline)) void q8_tile(
+    const float* xf, const int8_t* w, const float* s, float* out, const int rows, int64_t k)
+{
+    const int split = rows <= 2;
+    __m256 lo[CHUNK], hi[CHUNK], lo2[CHUNK], hi2[CHUNK];
+    for (int r = 0; r < rows; r++) lo[r] = hi[r] = lo2[r] = hi2[r] = _mm256_setzero_ps();
+    int64_t p = 0;
+#define Q8_STEP(L, H)                                                                  \
+    {                                                                                  \
+        const __m256 wa = _mm256_cvtepi32_ps(                                          \
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + 16 * p))));      \
+        const __m256 wb = _mm256_cvtepi32_ps(                                          \
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + 16 * p + 8))));  \
+        for (int r = 0; r < rows; r++) {                                               \
+            const __m256 x = _mm256_broadcast_ss(xf + r * k + p);                      \
+            L[r] = _mm256_fmadd_ps(wa, x, L[r]);                                       \
+            H[r] = _mm256_fmadd_ps(wb, x, H[r]);                                       \
+        }                                                                              \
+        p++;                                                                           \
+    }
+    for (; p + 2 <= k;) {
+        _mm_prefetch((const char*)(w + 16 * p) + 1024, _MM_HINT_T0);
+        if (split) {
+            Q8_STEP(lo, hi) Q8_STEP(lo2, hi2)
+        } else {
+            Q8_STEP(lo, hi) Q8_STEP(lo, hi)
+        }
+    }
+    if (p < k) Q8_STEP(lo, hi)
+#undef Q8_STEP
+    const __m256 s_lo = _mm256_loadu_ps(s), s_hi = _mm256_loadu_ps(s + 8);
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(out + 16 * r, _mm256_mul_ps(s_lo, _mm256_add_ps(lo[r], lo2[r])));
+        _mm256_storeu_ps(out + 16 * r + 8, _mm256_mul_ps(s_hi, _mm256_add_ps(hi[r], hi2[r])));
+    }
+}
+
+/* The product's arguments, as the plain call and the pooled job both hold them. */
+typedef struct {
+    const float* xf;       /* [m][k] fp32 inputs */
+    const float* xs;       /* int4: [m][k/gsize] input sums per group */
+    const void* w;         /* the packed weight */
+    const void* scales;    /* int4: fp16 scales and zero terms; int8: fp32 scales */
+    uint16_t* y;           /* [m][n] bf16 */
+    int64_t m, n, k, gsize; /* gsize 0: int8 */
+} product;
+
+/* Rows [16 rb, 16 rb + 16) of output block u (a unit); a helper stores only once
+   pool_commit says so. */
+static void product_unit(const product* a, int64_t unit, pool_job* job) {
+    const int64_t blocks = (a->m + MAX_ROWS - 1) / MAX_ROWS;
+    const int64_t u = unit / blocks, first = unit % blocks * MAX_ROWS;
+    const int64_t last = a->m < first + MAX_ROWS ? a->m : first + MAX_ROWS;
+    float out[MAX_ROWS * 16];
+    for (int64_t m0 = first; m0 < last; m0 += CHUNK) {
+        const int rows = last - m0 < CHUNK ? (int)(last - m0) : CHUNK;
+        float* o = out + 16 * (m0 - first);
+        const float* x = a->xf + m0 * a->k;
+        if (a->gsize) {
+            const int64_t groups = a->k / a->gsize;
+            const uint32_t* w = (const uint32_t*)a->w + u * 2 * a->k;
+            const uint16_t* sz = (const uint16_t*)a->scales + u * 32 * groups;
+            const float* xs = a->xs + m0 * groups;
+            switch (rows) {
+            case 1: q4_tile(x, xs, w, sz, o, 1, a->k, a->gsize); break;
+            case 2: q4_tile(x, xs, w, sz, o, 2, a->k, a->gsize); break;
+            case 3: q4_tile(x, xs, w, sz, o, 3, a->k, a->gsize); break;
+            default: q4_tile(x, xs, w, sz, o, CHUNK, a->k, a->gsize); break;
+            }
+        } else {
+            const int8_t* w = (const int8_t*)a->w + u * 16 * a->k;
+            const float* s = (const float*)a->scales + 16 * u;
+            switch (rows) {
+            case 1: q8_tile(x, w, s, o, 1, a->k); break;
+            case 2: q8_tile(x, w, s, o, 2, a->k); break;
+            case 3: q8_tile(x, w, s, o, 3, a->k); break;
+            default: q8_tile(x, w, s, o, CHUNK, a->k); break;
+            }
+        }
+    }
+    if (job && !pool_commit(job, unit)) return;
+    for (int64_t r = first; r < last; r++)
+        store_bf16(a->y + r * a->n + 16 * u, _mm256_loadu_ps(out + 16 * (r - first)),
+                   _mm256_loadu_ps(out + 16 * (r - first) + 8));
+}
+
+static int64_t units_of(int64_t m, int64_t n) {
+    return n / 16 * ((m + MAX_ROWS - 1) / MAX_ROWS);
+}
+
+/* x (bf16) -> fp32; with gsize, each row's sum per group into xs. */
+static void widen(const uint16_t* x, float* xf, float* xs, int64_t m, int64_t k,
+                  int64_t gsize) {
+    for (int64_t i = 0; i < m * k; i++) {
+        const uint32_t bits = (uint32_t)x[i] << 16;
+        memcpy(xf + i, &bits, sizeof bits);
+    }
+    if (!gsize) return;
+    const int64_t groups = k / gsize;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0;
+            for (int64_t i = 0; i < gsize; i++) sum += xf[r * k + g * gsize + i];
+            xs[r * groups + g] = sum;
+        }
+}
+
+/* Floats the inputs take: fp32 rows and group sums. */
+static int64_t scratch_floats(int64_t m, int64_t k, int64_t gsize) {
+    return m * k + (gsize ? m * (k / gsize) : 0);
+}
+
+/* y[m, n] = x[m, k] @ W^T, bf16 in and out; gsize: the int4 group size (a multiple
+   of 8 dividing k), 0 for int8. Returns 0 where memory for the fp32 inputs ran out. */
+int triollm_qgemm_avx2(const uint16_t* x, const void* w, const void* scales, uint16_t* y,
+                       int64_t m, int64_t n, int64_t k, int64_t gsize, int threads)
+{
+    float* xf = (float*)malloc((size_t)scratch_floats(m, k, gsize) * sizeof(float));
+    if (xf == NULL) return 0;
+    widen(x, xf, xf + m * k, m, k, gsize);
+    const product a = {xf, xf + m * k, w, scales, y, m, n, k, gsize};
+    const int64_t units = units_of(m, n);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t unit = 0; unit < units; unit++) product_unit(&a, unit, NULL);
+    free(xf);
+    return 1;
+}
+
+typedef struct {
+    pool_job base;
+    product a;  /* its xf and xs point into the job: a helper may read them later */
+} product_job;
+
+static void product_job_unit(pool_job* base, int64_t unit, int helper) {
+    product_unit(&((product_job*)base)->a, unit, helper ? base : NULL);
+}
+
+/* triollm_qgemm_avx2 on the calling thread and up to `helpers` pool helpers; `w` and
+   `scales` must outlive the pool's next drain. */
+int triollm_qgemm_avx2_pooled(const uint16_t* x, const void* w, const void* scales,
+                              uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t gsize,
+                              int helpers)
+{
+    const int64_t units = units_of(m, n);
+    const size_t head = (sizeof(product_job) + (size_t)units + 63) & ~(size_t)63;
+    product_job* job = (product_job*)malloc(
+        head + (size_t)scratch_floats(m, k, gsize) * sizeof(float));
+    if (job == NULL) return triollm_qgemm_avx2(x, w, scales, y, m, n, k, gsize, 1);
+    job->base.run = product_job_unit;
+    job->base.units = units;
+    job->base.state = (_Atomic unsigned char*)(job + 1);
+    float* xf = (float*)((char*)job + head);
+    widen(x, xf, xf + m * k, m, k, gsize);
+    const product a = {xf, xf + m * k, w, scales, y, m, n, k, gsize};
+    job->a = a;
+    triollm_pool_run(&job->base, helpers);
+    return 1;
+}
+
+#else
+/* Stubs with the same signatures, never called (triollm_qgemm_avx2_supported says so). */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+int triollm_qgemm_avx2_supported(void) { return 0; }
+int triollm_qgemm_avx2(const uint16_t* x, const void* w, const void* scales, uint16_t* y,
+                       int64_t m, int64_t n, int64_t k, int64_t gsize, int threads) {
+    return 0;
+}
+int triollm_qgemm_avx2_pooled(const uint16_t* x, const void* w, const void* scales,
+                              uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t gsize,
+                              int helpers) {
+    return 0;
+}
+#pragma GCC diagnostic pop
+#endif
