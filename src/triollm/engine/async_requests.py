@@ -148,25 +148,10 @@ class AsyncEngineRequests(AsyncEngineAPI):
             return None
         return {name.lower(): value for name, value in trace_headers.items()}
 
-    async def _stream(self, channel: RequestChannel) -> AsyncGenerator[EngineOutput, None]:
+    def _stream(self, channel: RequestChannel) -> AsyncGenerator[EngineOutput, None]:
         """The outputs of one request; closing it before the end aborts the request
         (callers close it at once with ``aclosing``)."""
-        finished = False
-        try:
-            while True:
-                try:
-                    output = await channel.get()
-                except StopAsyncIteration:
-                    finished = True
-                    return
-                finished = output.finished
-                yield output
-                if finished:
-                    return
-        finally:
-            channel.receive.close()
-            if not finished:
-                self._abort_now(channel)
+        return channel.outputs(lambda: self._abort_now(channel))
 
     async def _compile_grammar(self, params: SamplingParams, request_id: str
                                ) -> CompiledGrammar | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 import anyio
@@ -288,6 +288,28 @@ class RequestChannel:
         if self.error is not None:
             raise self.error
         raise StopAsyncIteration
+
+    async def outputs(self, on_unfinished: Callable[[], None]
+                      ) -> AsyncGenerator[EngineOutput, None]:
+        """The outputs until the finished one; closing the generator before that calls
+        ``on_unfinished`` (the request's abort). The channel is closed on every way out,
+        so callers close the generator at once (``aclosing``)."""
+        finished = False
+        try:
+            while True:
+                try:
+                    output = await self.get()
+                except StopAsyncIteration:
+                    finished = True
+                    return
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            self.receive.close()
+            if not finished:
+                on_unfinished()
 
 
 class RequestChannels:

@@ -318,24 +318,9 @@ class EngineClient(EngineClientAPI):
         self._replicas[replica].send(AddRequest(seq=seq, request_id=request_id, **fields))
         return seq, channel
 
-    async def _stream(self, seq: int, channel: RequestChannel
-                      ) -> AsyncGenerator[EngineOutput, None]:
-        finished = False
-        try:
-            while True:
-                try:
-                    output = await channel.get()
-                except StopAsyncIteration:
-                    finished = True
-                    return
-                finished = output.finished
-                yield output
-                if finished:
-                    return
-        finally:
-            channel.receive.close()
-            if not finished:
-                self._abort_seq(seq)
+    def _stream(self, seq: int, channel: RequestChannel
+                ) -> AsyncGenerator[EngineOutput, None]:
+        return channel.outputs(lambda: self._abort_seq(seq))
 
     def _abort_seq(self, seq: int) -> None:
         request = self._forget(seq)
