@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = ["OLDER_VLLM_FLAGS", "REFUSED_FLAGS", "RefusedFlag", "add_refused_flags"]
 
-_PARALLEL = "triollm runs one model on one device in one process (no tensor, pipeline, " \
+_PARALLEL = "triollm shards a model over tensor-parallel ranks only (no pipeline, " \
             "data, context or expert parallelism)"
 _MULTIMODAL = "triollm serves text-only models"
 _LORA = "this LoRA option is not supported: triollm serves LoRA adapters on the linear " \
@@ -72,13 +72,12 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
               "--api-server-count", "--nnodes", neutral=("1",)),
     **_values(_PARALLEL, "--data-parallel-rank", "--data-parallel-start-rank",
               "--node-rank", neutral=("0",)),
-    **_values(_PARALLEL, "--distributed-executor-backend", neutral=("uni",)),
     **_values(_PARALLEL, "--data-parallel-address", "--data-parallel-backend",
               "--data-parallel-rpc-port", "--data-parallel-supervisor-port",
               "--dp-supervisor-probe-failure-threshold", "--dp-supervisor-probe-interval-s",
               "--dp-supervisor-probe-timeout-s", "--dp-sync-interval", "--master-addr",
               "--master-port", "--cpu-distributed-timeout-seconds",
-              "--distributed-timeout-seconds", "--all2all-backend", "--dcp-comm-backend",
+              "--all2all-backend", "--dcp-comm-backend",
               "--dcp-kv-cache-interleave-size", "--cp-kv-cache-interleave-size",
               "--elastic-ep-max-dp-size", "--eplb-config", "--expert-placement-strategy",
               "--ubatch-size", "--dbo-decode-token-threshold",
