@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import weakref
 from typing import Any, Protocol
 
 from triollm.config import EngineConfig
@@ -85,6 +86,9 @@ class TensorParallelRunner:
             self.executor.shutdown()
             raise
         self.group.start_steps()
+        # ``LLM`` never shuts its runner down: its ranks end when it is collected (or
+        # at exit) at the latest
+        weakref.finalize(self, self.executor.shutdown)
         self.block_size = config.cache.block_size
         self.runner.on_batch = self._send
         self.num_kv_blocks = self.runner.num_kv_blocks
