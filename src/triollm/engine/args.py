@@ -8,14 +8,15 @@ in ``triollm.config``, which stays free of transformers).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from triollm.config import (
     DEMO_MODEL_NAME,
+    EXECUTOR_BACKENDS,
     POLICIES,
     CacheConfig,
-    EXECUTOR_BACKENDS,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -282,6 +283,9 @@ class EngineArgs:
     def _parallel(self, runner: str, hf_config: Any) -> ParallelConfig:
         size = self.tensor_parallel_size
         backend = self.distributed_executor_backend or ("uni" if size == 1 else "mp")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise fail("distributed_executor_backend",
+                       "'ray' needs Ray: pip install 'triollm[ray]'")
         if size > 1:
             from triollm.model.parallel.plan import tensor_parallel_problem
 

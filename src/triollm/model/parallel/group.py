@@ -16,6 +16,7 @@ import datetime
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,10 @@ def _process_group(store: dist.Store, prefix: str, rank: int, world_size: int,
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        group: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    return cast("dist.ProcessGroup", group)
 
 
 @dataclass
@@ -87,7 +90,7 @@ class RankGroup:
         """The smallest ``value`` of all ranks (every rank gets it)."""
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
         self._group.allreduce([tensor], options).wait()
         return int(tensor.item())
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from torch import nn
 
 from triollm.model.parallel.group import RankGroup

@@ -47,9 +47,10 @@ def _causal_lm_class(hf_config: Any) -> type | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+        found: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     except KeyError:
         return None
+    return found[0] if isinstance(found, tuple) else found
 
 
 def _class_plan(hf_config: Any) -> dict[str, str]:
@@ -141,7 +142,7 @@ class ShardedModel:
 
 
 @torch.no_grad()
-def shard_model(model: nn.Module, group: RankGroup) -> ShardedModel:
+def shard_model(model: Any, group: RankGroup) -> ShardedModel:
     """Slice ``model``'s weights in place to this rank's share by its ``_tp_plan``."""
     plan: dict[str, str] = dict(getattr(model, "_tp_plan", None) or {})
     if not plan:
@@ -163,7 +164,7 @@ def shard_model(model: nn.Module, group: RankGroup) -> ShardedModel:
             setattr(modules[parent] if parent else model, child, replacement)
             embedding_split = True
             if tied:
-                head.weight = replacement.weight  # type: ignore[union-attr]
+                head.weight = replacement.weight
         elif style in _VOCAB_HEAD and isinstance(module, nn.Linear):
             if not (tied and embedding_split):
                 module.weight = _parameter(_padded_rows(module.weight, group)[0])
@@ -179,7 +180,7 @@ def shard_model(model: nn.Module, group: RankGroup) -> ShardedModel:
             start, end = _share(module.in_features, group)
             module.weight = _parameter(module.weight[:, start:end])
             sharded.rows[name] = module.bias
-            module.bias = None
+            module.register_parameter("bias", None)
             module.in_features = end - start
         else:
             raise ValueError(f"tensor_parallel_size: {name} ({type(module).__name__}) has "
