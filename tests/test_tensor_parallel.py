@@ -154,3 +154,23 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(
     want = tokens(LLM(path, dtype="float32", max_model_len=128), PROMPTS[:2])
     two_ranks = LLM(path, dtype="float32", max_model_len=128, tensor_parallel_size=2)
     assert tokens(two_ranks, PROMPTS[:2]) == want
+
+
+def test_each_rank_takes_its_core_list_and_a_wrong_count_is_refused(
+        llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from triollm.model.parallel.runner import rank_placement
+
+    core = min(os.sched_getaffinity(0))
+    config = EngineArgs(model=str(llama_path), tensor_parallel_size=2).create_engine_config()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{core}|{core}")
+    placed, cpus = rank_placement(config)
+    assert cpus == [(core,), (core,)] and placed.model.cpu_threads == 1
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{core}|{core}|{core}")
+    with pytest.raises(ValueError, match="3 core lists for tensor_parallel_size=2"):
+        rank_placement(config)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    placed, cpus = rank_placement(config)
+    assert cpus == [None, None]
+    assert placed.model.cpu_threads == max(1, len(os.sched_getaffinity(0)) // 2)

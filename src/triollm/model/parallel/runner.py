@@ -8,8 +8,9 @@ it. Only the driver samples. A rank that dies or hangs makes the step raise
 ``RankFailedError`` (its collectives fail, or time out after
 ``worker_timeout_s``): the engine is then dead, and ``shutdown`` ends every rank.
 
-Threads: each rank computes on its own cores. ``rank_cpus`` binds rank r to its list
-(``VLLM_CPU_OMP_THREADS_BIND``'s ``|``-separated lists); otherwise each rank takes an
+Threads: each rank computes on its own cores. ``rank_cpus``, else
+``VLLM_CPU_OMP_THREADS_BIND``'s ``|``-separated lists (as vLLM reads them), bind rank r
+(the driver's model thread, a child process) to list r; otherwise each rank takes an
 equal share of the usable cores as its thread count, unbound. The collectives run
 eagerly: the compiled forward is off under tensor parallelism.
 """
@@ -29,6 +30,7 @@ from triollm.model.parallel.mp_executor import MultiprocessExecutor, RankFailedE
 from triollm.model.parallel.rank_worker import place_rank
 from triollm.model.runners.torch_runner import TorchModelRunner
 from triollm.step import RunnerOutput, ScheduledRequest, SchedulerOutput
+from triollm.vllm_env import rank_cpu_lists
 
 __all__ = ["Executor", "RankFailedError", "TensorParallelRunner", "rank_placement"]
 
@@ -52,8 +54,12 @@ def rank_placement(config: EngineConfig) -> tuple[EngineConfig, list[tuple[int, 
     """The config with each rank's thread count, and each rank's cores (None: unbound)."""
     parallel = config.parallel
     size = parallel.tensor_parallel_size
-    if parallel.rank_cpus is not None:
-        cpus: list[tuple[int, ...] | None] = list(parallel.rank_cpus)
+    rank_cpus = parallel.rank_cpus or rank_cpu_lists(os.environ)
+    if rank_cpus is not None and len(rank_cpus) != size:
+        raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND: {len(rank_cpus)} core lists for "
+                         f"tensor_parallel_size={size} ranks")
+    if rank_cpus is not None:
+        cpus: list[tuple[int, ...] | None] = list(rank_cpus)
         threads = config.model.cpu_threads or min(len(c or ()) for c in cpus) or 1
     else:
         cpus = [None] * size
