@@ -98,3 +98,29 @@ def test_the_server_answers_with_two_ranks_as_with_one(llama_path: Path,
         assert len(rank_processes()) == 1
     assert not running.errors, running.errors
     assert not rank_processes()
+
+
+def test_a_killed_rank_ends_the_served_stream_with_an_error_and_the_server_exits(
+        llama_path: Path) -> None:
+    import httpx
+
+    from server_helpers import server_process
+
+    with server_process(str(llama_path), "--dtype", "float32", "--max-model-len", "256",
+                        "--num-gpu-blocks-override", "64", "--tensor-parallel-size", "2",
+                        "--served-model-name", "tiny", "--shutdown-grace", "1") as (
+                            process, url):
+        (rank,) = [child for child in psutil.Process(process.pid).children(recursive=True)
+                   if "rank_worker" in " ".join(child.cmdline())]
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stream": True,
+                "ignore_eos": True}) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data:"))
+            events.append(next(lines))
+            os.kill(rank.pid, signal.SIGKILL)
+            events.extend(lines)
+        code = process.wait(30)
+    assert '"error"' in events[-2] and events[-1] == "data: [DONE]", events[-3:]
+    assert code != 0
+    assert not psutil.pid_exists(rank.pid) or rank.status() == psutil.STATUS_ZOMBIE
