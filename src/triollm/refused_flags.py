@@ -234,8 +234,9 @@ OLDER_VLLM_FLAGS: dict[str, RefusedFlag] = {
     **_lists(_LORA, "--long-lora-scaling-factors"),
     **_switches(_LORA, "--enable-prompt-adapter"),
     **_values(_LORA, "--max-prompt-adapters", "--max-prompt-adapter-token"),
-    **_switches(_PARALLEL, "--worker-use-ray", "--engine-use-ray",
-                "--disable-frontend-multiprocessing"),
+    **_switches(_REMOVED + "pass --distributed-executor-backend ray (the tensor-parallel "
+                "ranks as Ray actors)", "--worker-use-ray"),
+    **_switches(_PARALLEL, "--engine-use-ray", "--disable-frontend-multiprocessing"),
     **_switches(_NOT_IMPLEMENTED + ": outputs are already processed as each step ends",
                 "--disable-async-output-proc"),
     **_switches(_KV_QUANT, "--calculate-kv-scales"),
