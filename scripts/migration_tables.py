@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DIFFERENT = {
     "--dtype": "honoured, except `float16`/`half` on CPU, which is refused (about 100x slower "
                "than bf16 there); `auto` picks bf16 where the CPU has it",
-    "--tensor-parallel-size": "accepted only as 1 (one device); anything else is an error",
+    "--tensor-parallel-size": "honoured on one machine: the model's layers sharded by "
+                              "transformers' tensor-parallel plan over N ranks (mp child "
+                              "processes or Ray actors); families without a plan, LoRA, "
+                              "pooling models and quantized checkpoints are refused by name",
     "--gpu-memory-utilization": "honoured on CUDA; on CPU the KV cache takes "
                                 "`--kv-cache-space-gb` (vLLM: `VLLM_CPU_KVCACHE_SPACE`)",
     "--uvicorn-log-level": "honoured as the log level of the server (hypercorn serves "

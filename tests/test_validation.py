@@ -37,7 +37,7 @@ def test_min_tokens_above_max_tokens_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("max_logprobs", -2), ("tensor_parallel_size", 2), ("block_size", 0), ("max_num_seqs", 0),
+    ("max_logprobs", -2), ("tensor_parallel_size", 0), ("block_size", 0), ("max_num_seqs", 0),
     ("gpu_memory_utilization", 1.5), ("kv_cache_space_gb", 0), ("scheduling_policy", "lifo"),
     ("dtype", "int8"), ("dtype", "float16"), ("device", "tpu"), ("max_model_len", 10**7),
     ("async_scheduling", "yes"),

@@ -237,7 +237,7 @@ def test_an_unknown_vllm_variable_is_accepted_with_a_warning_naming_it(
     ({"VLLM_CPU_KVCACHE_SPACE": "inf"}, "must be a finite number"),
     ({"VLLM_LOGGING_LEVEL": "loud"}, "VLLM_LOGGING_LEVEL=loud"),
     ({"VLLM_TARGET_DEVICE": "tpu"}, "VLLM_TARGET_DEVICE=tpu"),
-    ({"VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7"}, "triollm runs one"),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "0|100000"}, "not usable by this process"),
     ({"VLLM_CPU_OMP_THREADS_BIND": "zero"}, "expected auto, nobind or a core list"),
     ({"VLLM_CPU_OMP_THREADS_BIND": "100000"}, "not usable by this process"),
     ({"VLLM_CPU_NUM_OF_RESERVED_CPU": str(len(os.sched_getaffinity(0)))}, "leaves no core"),
@@ -296,3 +296,16 @@ def test_the_key_check_reads_open_paths_below_the_root_path_and_any_scheme_case(
     scope = {"type": "http", "path": path, "root_path": root_path,
              "headers": [(b"authorization", authorization)] if authorization else []}
     assert lifetime._authorized(scope) is passes
+
+
+def test_one_core_list_per_rank_binds_the_process_to_all_and_each_rank_to_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from triollm.vllm_env import rank_cpu_lists
+
+    core = min(os.sched_getaffinity(0))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{core}|{core}"}
+    namespace = parse(monkeypatch, env)
+    assert namespace.vllm_environment.cpu_binding == {core}
+    assert namespace.cpu_threads == 1
+    assert rank_cpu_lists(env) == ((core,), (core,))
+    assert rank_cpu_lists({"VLLM_CPU_OMP_THREADS_BIND": str(core)}) is None

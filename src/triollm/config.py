@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEMO_MODEL_NAME",
+    "EXECUTOR_BACKENDS",
     "POLICIES",
     "POOLING_TASKS",
     "CacheConfig",
@@ -249,13 +250,29 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     #: None unless ``speculative_config`` is given.
     speculative: SpeculativeConfig | None = None
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())
+
+
+#: ``distributed_executor_backend`` values: one process; child processes; Ray actors.
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """vLLM's parallelism settings: triollm runs one model on one device."""
+    """vLLM's parallelism settings inside one engine: the model's tensor-parallel ranks
+    (model/parallel/) and who runs them (``distributed_executor_backend``)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    world_size: int = 1
+    #: ``uni`` (one process, tensor_parallel_size 1), ``mp`` or ``ray``.
+    distributed_executor_backend: str = "uni"
+    #: Seconds a rank may keep a step's collective waiting before the engine is dead.
+    worker_timeout_s: float = 5.0
+    #: Each rank's cores (``VLLM_CPU_OMP_THREADS_BIND``'s ``|``-separated lists); None:
+    #: the usable cores split evenly, unbound.
+    rank_cpus: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -43,7 +43,12 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                           "server answers eagerly meanwhile and switches once it is built, "
                           "generate compiles first (docs/serving.md)",
     "cpu_threads": "compute threads on CPU (docs/api.md)",
-    "tensor_parallel_size": "number of GPUs (only 1 for now)",
+    "tensor_parallel_size": "shard the model over this many ranks (processes)",
+    "distributed_executor_backend": "who runs ranks 1...: mp (child processes) or ray "
+                                    "(Ray actors; pip install 'triollm[ray]'); uni: one "
+                                    "process",
+    "distributed_timeout_seconds": "seconds a step waits for a tensor-parallel rank "
+                                   "before the engine is dead",
     "scheduling_policy": "fcfs, priority or slo (docs/scheduling.md)",
     "disable_log_requests": "do not log requests (vLLM's older flag)",
     "disable_log_stats": "do not log engine statistics periodically",
@@ -115,6 +120,7 @@ ENGINE_FLAG_DEFAULTS: dict[str, str] = {
                                "--gpu-memory-utilization on CUDA",
     "cpu_threads": "all usable cores, fewer while other processes keep some busy",
     "max_cpu_loras": "--max-loras",
+    "distributed_executor_backend": "uni for one rank, mp for more",
     "lora_target_modules": "every linear layer but the LM head",
     "max_log_len": "the whole prompt",
     "structured_outputs_config": "backend auto",

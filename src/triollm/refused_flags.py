@@ -15,8 +15,8 @@ from typing import Any
 
 __all__ = ["OLDER_VLLM_FLAGS", "REFUSED_FLAGS", "RefusedFlag", "add_refused_flags"]
 
-_PARALLEL = "triollm runs one model on one device in one process (no tensor, pipeline, " \
-            "data, context or expert parallelism)"
+_PARALLEL = "triollm runs tensor-parallel ranks and data-parallel replicas on this " \
+            "machine only (no pipeline, context or expert parallelism, no other node)"
 _DATA_PARALLEL = ("the --data-parallel-size replicas all run on this machine, started, "
                   "owned and balanced by the one API server: there is no other node, "
                   "rank, address, RPC port or external load balancer to name")
@@ -79,12 +79,11 @@ REFUSED_FLAGS: dict[str, RefusedFlag] = {
               "--data-parallel-rpc-port", "--data-parallel-supervisor-port"),
     **_switches(_DATA_PARALLEL, "--data-parallel-external-lb", "--data-parallel-hybrid-lb",
                 "--data-parallel-multi-port-external-lb"),
-    **_values(_PARALLEL, "--distributed-executor-backend", neutral=("uni",)),
     **_values(_PARALLEL, "--dp-supervisor-probe-failure-threshold",
               "--dp-supervisor-probe-interval-s", "--dp-supervisor-probe-timeout-s",
               "--dp-sync-interval", "--master-addr", "--master-port",
               "--cpu-distributed-timeout-seconds",
-              "--distributed-timeout-seconds", "--all2all-backend", "--dcp-comm-backend",
+              "--all2all-backend", "--dcp-comm-backend",
               "--dcp-kv-cache-interleave-size", "--cp-kv-cache-interleave-size",
               "--elastic-ep-max-dp-size", "--eplb-config", "--expert-placement-strategy",
               "--ubatch-size", "--dbo-decode-token-threshold",
@@ -240,8 +239,9 @@ OLDER_VLLM_FLAGS: dict[str, RefusedFlag] = {
     **_lists(_LORA, "--long-lora-scaling-factors"),
     **_switches(_LORA, "--enable-prompt-adapter"),
     **_values(_LORA, "--max-prompt-adapters", "--max-prompt-adapter-token"),
-    **_switches(_PARALLEL, "--worker-use-ray", "--engine-use-ray",
-                "--disable-frontend-multiprocessing"),
+    **_switches(_REMOVED + "pass --distributed-executor-backend ray (the tensor-parallel "
+                "ranks as Ray actors)", "--worker-use-ray"),
+    **_switches(_PARALLEL, "--engine-use-ray", "--disable-frontend-multiprocessing"),
     **_switches(_NOT_IMPLEMENTED + ": outputs are already processed as each step ends",
                 "--disable-async-output-proc"),
     **_switches(_KV_QUANT, "--calculate-kv-scales"),

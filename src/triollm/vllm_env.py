@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["VLLM_VARIABLES", "VllmEnvironment", "VllmVariable", "apply_cpu_binding",
-           "configure_logging", "read_vllm_environment"]
+           "configure_logging", "rank_cpu_lists", "read_vllm_environment"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,9 @@ VLLM_VARIABLES: dict[str, VllmVariable] = {
                                         "the default)"),
     "VLLM_CPU_OMP_THREADS_BIND": _honoured(
         "a CPU list (0-31,40) runs the process on those cores, one compute thread per "
-        "core (--cpu-threads); auto and nobind keep triollm's default (every usable "
-        "core, unbound)"),
+        "core (--cpu-threads); one list per tensor-parallel rank (0-1|2-3) binds each "
+        "rank to its list; auto and nobind keep triollm's default (every usable core, "
+        "unbound)"),
     "VLLM_CPU_NUM_OF_RESERVED_CPU": _honoured("--cpu-threads is the usable cores less "
                                               "this many"),
     "VLLM_LOGGING_LEVEL": _honoured("the log level, as --uvicorn-log-level (--log-level "
@@ -224,10 +225,14 @@ def _honoured_settings(given: Mapping[str, str], prefix: str, notes: tuple[str, 
             raise ValueError(f"VLLM_TARGET_DEVICE={device[:100]}: not supported by "
                              f"triollm: it runs on cpu or cuda")
         defaults["device"] = device
-    binding = _cpu_binding(given.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
+    bind = given.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    ranks = [_cpu_binding(part) for part in bind.split("|")] if "|" in bind else []
+    binding = (frozenset().union(*(r or () for r in ranks)) if ranks
+               else _cpu_binding(bind))
     usable = len(binding) if binding is not None else len(_usable_cores())
     if binding is not None:
-        defaults["cpu_threads"] = usable
+        # one list per rank: each rank computes on its own list's cores
+        defaults["cpu_threads"] = min(len(r or ()) for r in ranks) if ranks else usable
     if "VLLM_CPU_NUM_OF_RESERVED_CPU" in given:
         reserved = _number("VLLM_CPU_NUM_OF_RESERVED_CPU",
                            given["VLLM_CPU_NUM_OF_RESERVED_CPU"], int)
@@ -279,9 +284,6 @@ def _cpu_binding(text: str) -> frozenset[int] | None:
     if text.lower() in ("auto", "nobind"):
         return None
     problem = f"VLLM_CPU_OMP_THREADS_BIND={text[:100]}: "
-    if "|" in text:
-        raise ValueError(problem + "one core list per rank is for several processes; "
-                                   "triollm runs one")
     cores: set[int] = set()
     try:
         for part in text.split(","):
@@ -297,6 +299,16 @@ def _cpu_binding(text: str) -> frozenset[int] | None:
         raise ValueError(problem + f"core(s) {sorted(missing)} are not usable by this "
                                    f"process")
     return frozenset(cores)
+
+
+def rank_cpu_lists(environ: Mapping[str, str]) -> tuple[tuple[int, ...], ...] | None:
+    """``VLLM_CPU_OMP_THREADS_BIND``'s core lists, one per tensor-parallel rank
+    (``0-1|2-3``); None unless it holds several (``read_vllm_environment`` checked it)."""
+    text = environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip()
+    if "|" not in text:
+        return None
+    lists = [_cpu_binding(part) for part in text.split("|")]
+    return tuple(tuple(sorted(cores or ())) for cores in lists)
 
 
 def _logging_config(path: str) -> dict[str, Any]:

@@ -8,15 +8,18 @@ in ``triollm.config``, which stays free of transformers).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from triollm.config import (
     DEMO_MODEL_NAME,
+    EXECUTOR_BACKENDS,
     POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     QuantizationConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
@@ -93,7 +96,14 @@ class EngineArgs:
     optimization_level: int | None = None
     cpu_threads: int | None = None
     max_logprobs: int = 20
+    #: Shard the model over this many ranks (model/parallel/): ranks 1... run in child
+    #: processes (``mp``) or Ray actors (``ray``).
     tensor_parallel_size: int = 1
+    #: ``uni``, ``mp`` or ``ray``; None: ``uni`` for one rank, else ``mp`` (vLLM's).
+    distributed_executor_backend: str | None = None
+    #: Seconds a step's collective waits for a rank: a worker that died or hangs fails
+    #: every request with ``EngineDeadError`` within about this long.
+    distributed_timeout_seconds: float = 5.0
     scheduling_policy: str = "fcfs"
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | str | None = None
@@ -217,7 +227,9 @@ class EngineArgs:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             enforce_eager=self.enforce_eager,
-            compile_model=not self.enforce_eager and level > 0,
+            # the tensor-parallel collectives run eagerly (model/parallel/runner.py)
+            compile_model=not self.enforce_eager and level > 0
+            and self.tensor_parallel_size == 1,
             optimization_level=0 if self.enforce_eager else level,
             cpu_threads=self.cpu_threads,
             max_logprobs=self.max_logprobs,
@@ -265,7 +277,25 @@ class EngineArgs:
                                 device=device, dtype=dtype),
                             observability=observability_config(
                                 self.otlp_traces_endpoint, self.collect_detailed_traces),
-                            structured_outputs=structured, speculative=speculative)
+                            structured_outputs=structured, speculative=speculative,
+                            parallel=self._parallel(runner, hf_config))
+
+    def _parallel(self, runner: str, hf_config: Any) -> ParallelConfig:
+        size = self.tensor_parallel_size
+        backend = self.distributed_executor_backend or ("uni" if size == 1 else "mp")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise fail("distributed_executor_backend",
+                       "'ray' needs Ray: pip install 'triollm[ray]'")
+        if size > 1:
+            from triollm.model.parallel.plan import tensor_parallel_problem
+
+            problem = tensor_parallel_problem(
+                hf_config, size, runner=runner, enable_lora=self.enable_lora,
+                quantization=self.quantization, backend=backend)
+            if problem is not None:
+                raise fail("tensor_parallel_size", problem)
+        return ParallelConfig(tensor_parallel_size=size, distributed_executor_backend=backend,
+                              worker_timeout_s=self.distributed_timeout_seconds)
 
     def _quantization(self, device: torch.device) -> QuantizationConfig | None:
         if self.quantization is None:
@@ -320,9 +350,17 @@ class EngineArgs:
             raise fail("kv_cache_dtype", reason)
         if not self.kv_cache_space_gb > 0:
             raise fail("kv_cache_space_gb", f"must be > 0, got {self.kv_cache_space_gb}")
-        if self.tensor_parallel_size != 1:
-            raise fail("tensor_parallel_size", f"only 1 is supported for now, got "
-                       f"{self.tensor_parallel_size}")
+        positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise fail("distributed_executor_backend", f"must be one of {EXECUTOR_BACKENDS}, "
+                       f"got {backend!r}")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise fail("distributed_executor_backend", f"'uni' runs one rank; "
+                       f"tensor_parallel_size={self.tensor_parallel_size} needs mp or ray")
+        if not self.distributed_timeout_seconds > 0:
+            raise fail("distributed_timeout_seconds", f"must be > 0, got "
+                       f"{self.distributed_timeout_seconds}")
         if self.scheduling_policy not in POLICIES:
             raise fail("scheduling_policy", f"must be one of {POLICIES}, got "
                        f"{self.scheduling_policy!r}")

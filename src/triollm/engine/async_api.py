@@ -161,8 +161,8 @@ class AsyncEngineAPI:
         return self.config.structured_outputs
 
     async def get_parallel_config(self) -> ParallelConfig:
-        """One model on one device in one process."""
-        return ParallelConfig()
+        """The tensor-parallel ranks and their executor (``tensor_parallel_size``)."""
+        return self.config.parallel
 
     async def get_lora_config(self) -> LoRAConfig | None:
         """The LoRA settings; None without ``enable_lora``, as vLLM answers."""

@@ -30,6 +30,7 @@ from triollm.model.cpu.threads import ComputeThreads
 from triollm.model.draft_verify import verify_drafts
 from triollm.model.loader import load_model
 from triollm.model.lora.manager import LoRAManager
+from triollm.model.parallel.plan import shard_model
 from triollm.model.runners.background_compile import BackgroundCompile, background_build
 from triollm.model.runners.batch import DecodeAttention, prepare_batch, run_forward
 from triollm.model.runners.compile import (
@@ -49,7 +50,10 @@ from triollm.structured_output.bitmask import GrammarMask
 from triollm.structured_output.matchers import MaskFiller, PendingMask, SampleGrammar
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from triollm.lora.request import LoRARequest
+    from triollm.model.parallel.group import RankGroup
 
 __all__ = ["TorchModelRunner"]
 
@@ -70,7 +74,9 @@ class _RequestState:
 class TorchModelRunner:
     """Runs a transformers causal LM with triollm's paged attention."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: RankGroup | None = None) -> None:
+        """Load and set up the model; with ``parallel``, as that tensor-parallel rank's
+        shard (model/parallel/): every rank runs this set-up in step."""
         self._started = time.perf_counter()
         self.config = config
         model_config = config.model
@@ -107,15 +113,21 @@ class TorchModelRunner:
         spec = config.speculative
         self.draft = (DraftModel(config, self.vocab_size)
                       if spec is not None and spec.model is not None else None)
+        sharded = shard_model(self.model, parallel) if parallel is not None else None
         self.compute_threads: ComputeThreads | None = (
             prepare_for_cpu(self.model, model_config.cpu_threads,
                             model_config.quantization) if on_cpu else None)
+        if sharded is not None:
+            sharded.install(self.model)
         self.lora = (LoRAManager(self.model, config.lora, self.device)
                      if config.lora is not None else None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(model_config.seed)
         self._requests: dict[str, _RequestState] = {}
         self.mask_filler = MaskFiller(self.vocab_size, self.device)
+        #: Called with a step's requests just before its forward (the tensor-parallel
+        #: driver sends them to the other ranks).
+        self.on_batch: Callable[[list[ScheduledRequest]], None] | None = None
 
         def profile() -> dict[int, KVCacheSpec]:
             return profile_kv_specs(self.model, config)
@@ -128,6 +140,8 @@ class TorchModelRunner:
         self.num_kv_blocks = num_kv_blocks(
             config, specs | (self.draft.specs if self.draft is not None else {}),
             self.cache_dtype)
+        if parallel is not None:  # each rank sized its own slice: the smallest holds
+            self.num_kv_blocks = parallel.agree_min(self.num_kv_blocks)
         self.kv_cache = PagedKVCache(specs, self.num_kv_blocks, self.block_size,
                                      self.cache_dtype, self.device)
         self.kv_cache.number_layers(self.model)
@@ -255,6 +269,8 @@ class TorchModelRunner:
         masks = self.mask_filler.start([
             (row, grammar) for row, item in enumerate(i for i in items if i.sample)
             if (grammar := self._requests[item.request_id].grammar) is not None])
+        if self.on_batch is not None:
+            self.on_batch(items)
         batch = prepare_batch(items, self.kv_cache, self.decode_attention, self.device)
         forward_started = time.perf_counter()
         try:
