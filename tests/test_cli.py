@@ -150,7 +150,7 @@ def test_every_vllm_flag_is_known() -> None:
     (["--quantization-config", "{}"], "--quantization-config {}: not supported by triollm"),
     (["--kv-cache-dtype-skip-layers", "0"], "every layer's KV cache is kept in"),
     (["--fully-sharded-loras"], "--fully-sharded-loras: not supported by triollm: this LoRA"),
-    (["--pipeline-parallel-size", "2"], "tensor-parallel ranks only"),
+    (["--pipeline-parallel-size", "2"], "no pipeline, context or expert parallelism"),
     (["--lora-modules", "a/x"], "expected name=path or a JSON object"),
     (["--enable-layerwise-nvtx-tracing"], "NVTX and trace-replay tracing are not supported"),
     (["--swap-space", "16"], "--swap-space 16: not supported by triollm: triollm never swaps"),

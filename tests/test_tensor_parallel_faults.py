@@ -124,3 +124,41 @@ def test_a_killed_rank_ends_the_served_stream_with_an_error_and_the_server_exits
     assert '"error"' in events[-2] and events[-1] == "data: [DONE]", events[-3:]
     assert code != 0
     assert not psutil.pid_exists(rank.pid) or rank.status() == psutil.STATUS_ZOMBIE
+
+
+def test_sigterm_under_load_ends_within_the_grace_and_five_seconds_leaving_no_rank(
+        llama_path: Path) -> None:
+    """The server with two ranks (its engine in a process of its own, rank 1 that
+    process's child) stops on SIGTERM mid-stream within ``--shutdown-grace`` + 5 s, and
+    every process it started ends."""
+    import time
+
+    import httpx
+
+    from server_helpers import server_process
+
+    grace = 1
+    with server_process(str(llama_path), "--dtype", "float32", "--max-model-len", "256",
+                        "--num-gpu-blocks-override", "64", "--tensor-parallel-size", "2",
+                        "--served-model-name", "tiny", "--shutdown-grace", str(grace)) as (
+                            process, url):
+        started = psutil.Process(process.pid).children(recursive=True)
+        commands = [" ".join(child.cmdline()) for child in started]
+        assert any("triollm.engine.process.child" in command for command in commands)
+        assert any("rank_worker" in command for command in commands)
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stream": True,
+                "ignore_eos": True}) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data:"))
+            events.append(next(lines))
+            stopped = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            events.extend(lines)
+        code = process.wait(grace + 30)
+        ended = time.monotonic() - stopped
+    assert code == 0
+    assert ended < grace + 5, ended
+    assert events[-1] == "data: [DONE]", events[-3:]
+    assert not [child for child in started
+                if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: transformers' model loading swaps torch.nn.init's functions for the whole process and
+#: puts them back on the way out, so two loads that overlap in threads (two engines
+#: starting in one process) leave the swapped ones in place, and every later load skips
+#: tying weights (a tied head left on the meta device). One load at a time.
+_LOADING = threading.Lock()
 
 SUPPORTED_FAMILIES = ("Llama", "Qwen2", "Qwen3", "Mistral", "OPT", "GPT-2")
 
@@ -142,6 +149,20 @@ def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dic
     mode on ``device``."""
     logger.info("loading the model %s...", model)
     started = time.perf_counter()
+    with _LOADING:
+        loaded = _load(auto, model, hf_config, kwargs, trust_remote_code, revision,
+                       download_dir, quantization)
+    check_supported(type(loaded))
+    loaded = loaded.to(device).eval()
+    size = sum(p.numel() * p.element_size() for p in loaded.parameters())
+    logger.info("loaded the model in %.1f s (%.2f GiB of weights)",
+                time.perf_counter() - started, size / 2**30)
+    return loaded
+
+
+def _load(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dict[str, Any],
+          trust_remote_code: bool, revision: str | None, download_dir: str | None,
+          quantization: str | None) -> PreTrainedModel:
     if model == DEMO_MODEL_NAME:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -155,11 +176,6 @@ def _instantiate(auto: Any, model: str, hf_config: PretrainedConfig, kwargs: dic
         loaded = auto.from_pretrained(model, config=hf_config,
                                       trust_remote_code=trust_remote_code,
                                       **_hub(revision, download_dir), **kwargs)
-    check_supported(type(loaded))
-    loaded = loaded.to(device).eval()
-    size = sum(p.numel() * p.element_size() for p in loaded.parameters())
-    logger.info("loaded the model in %.1f s (%.2f GiB of weights)",
-                time.perf_counter() - started, size / 2**30)
     return loaded
 
 
