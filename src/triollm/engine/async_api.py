@@ -27,12 +27,69 @@ if TYPE_CHECKING:
     from triollm.engine.stats import EngineStatistics, LoggingStatLogger, StatLogger
     from triollm.engine.worker import ModelWorker
 
-__all__ = ["AsyncEngineAPI"]
+__all__ = ["AsyncEngineAPI", "EngineFrontAPI"]
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngineAPI:
+class EngineFrontAPI:
+    """What the in-process engine and ``EngineClient`` answer alike: health from
+    ``_running``/``_dead_error``, and vLLM's getters from ``config`` and ``tokenizer``."""
+
+    config: EngineConfig
+    tokenizer: PreTrainedTokenizerBase
+    _running: bool
+    _dead_error: EngineDeadError | None
+
+    # -- health --------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    # -- vLLM's getters --------------------------------------------------------------
+
+    async def get_model_config(self) -> ModelConfig:
+        return self.config.model
+
+    async def get_scheduler_config(self) -> SchedulerConfig:
+        return self.config.scheduler
+
+    async def get_tokenizer(self, lora_request: object = None) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    async def get_decoding_config(self) -> DecodingConfig:
+        """vLLM's structured-output settings (``structured_outputs_config``)."""
+        return self.config.structured_outputs
+
+    async def get_parallel_config(self) -> ParallelConfig:
+        """The tensor-parallel ranks and their executor (``tensor_parallel_size``)."""
+        return self.config.parallel
+
+    async def get_lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings; None without ``enable_lora``, as vLLM answers."""
+        return self.config.lora
+
+    async def is_tracing_enabled(self) -> bool:
+        """Whether finished requests' spans are exported (``otlp_traces_endpoint``)."""
+        await anyio.lowlevel.checkpoint()
+        return self.config.observability.otlp_traces_endpoint is not None
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's sampling defaults with the model's generation config on top (what the
+        server applies to fields a request leaves out)."""
+        return SamplingParams(**self.config.model.generation_defaults)
+
+
+class AsyncEngineAPI(EngineFrontAPI):
     """Health, statistics, getters and LoRA adapters of a running engine."""
 
     #: One engine, in this process (``EngineClient`` runs several in their own).
@@ -51,18 +108,6 @@ class AsyncEngineAPI:
     _stats_line: LoggingStatLogger | None
 
     # -- health --------------------------------------------------------------------
-
-    @property
-    def is_running(self) -> bool:
-        return self._running
-
-    @property
-    def errored(self) -> bool:
-        return self._dead_error is not None
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead_error
 
     def _raise_if_dead(self) -> None:
         if self._dead_error is not None:
@@ -144,39 +189,6 @@ class AsyncEngineAPI:
     @property
     def worker_thread_id(self) -> int | None:
         return self._worker.thread_id if self._worker is not None else None
-
-    # -- vLLM's getters --------------------------------------------------------------
-
-    async def get_model_config(self) -> ModelConfig:
-        return self.config.model
-
-    async def get_scheduler_config(self) -> SchedulerConfig:
-        return self.config.scheduler
-
-    async def get_tokenizer(self, lora_request: object = None) -> PreTrainedTokenizerBase:
-        return self.tokenizer
-
-    async def get_decoding_config(self) -> DecodingConfig:
-        """vLLM's structured-output settings (``structured_outputs_config``)."""
-        return self.config.structured_outputs
-
-    async def get_parallel_config(self) -> ParallelConfig:
-        """The tensor-parallel ranks and their executor (``tensor_parallel_size``)."""
-        return self.config.parallel
-
-    async def get_lora_config(self) -> LoRAConfig | None:
-        """The LoRA settings; None without ``enable_lora``, as vLLM answers."""
-        return self.config.lora
-
-    async def is_tracing_enabled(self) -> bool:
-        """Whether finished requests' spans are exported (``otlp_traces_endpoint``)."""
-        await anyio.lowlevel.checkpoint()
-        return self.config.observability.otlp_traces_endpoint is not None
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's sampling defaults with the model's generation config on top (what the
-        server applies to fields a request leaves out)."""
-        return SamplingParams(**self.config.model.generation_defaults)
 
     # -- LoRA adapters: each change is one call into the core, in the model thread ----
 

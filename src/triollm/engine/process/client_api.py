@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 
-from triollm.config import DecodingConfig, ParallelConfig
+from triollm.config import ParallelConfig
+from triollm.engine.async_api import EngineFrontAPI
 from triollm.engine.stats import EngineStatistics, IterationStats
 from triollm.errors import EngineClosedError, EngineDeadError
 from triollm.lora.request import LoRARequest
-from triollm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from triollm.config import EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+    from triollm.config import EngineConfig
     from triollm.engine.process.replica import EngineReplica
     from triollm.engine.stats import LoggingStatLogger
 
@@ -36,7 +36,7 @@ _SUMMED = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks",
            "grammar_cache_hits", "grammar_cache_misses")
 
 
-class EngineClientAPI:
+class EngineClientAPI(EngineFrontAPI):
     """Health, statistics, getters and LoRA adapters over the engine processes."""
 
     config: EngineConfig
@@ -51,18 +51,6 @@ class EngineClientAPI:
     _stats_line: LoggingStatLogger | None
 
     # -- health --------------------------------------------------------------------
-
-    @property
-    def is_running(self) -> bool:
-        return self._running
-
-    @property
-    def errored(self) -> bool:
-        return self._dead_error is not None
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead_error
 
     @property
     def engine_pids(self) -> list[int | None]:
@@ -150,27 +138,7 @@ class EngineClientAPI:
 
     # -- vLLM's getters --------------------------------------------------------------
 
-    async def get_model_config(self) -> ModelConfig:
-        return self.config.model
-
-    async def get_scheduler_config(self) -> SchedulerConfig:
-        return self.config.scheduler
-
-    async def get_tokenizer(self, lora_request: object = None) -> PreTrainedTokenizerBase:
-        return self.tokenizer
-
-    async def get_decoding_config(self) -> DecodingConfig:
-        return self.config.structured_outputs
-
     async def get_parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(data_parallel_size=self.data_parallel_size)
-
-    async def get_lora_config(self) -> LoRAConfig | None:
-        return self.config.lora
-
-    async def is_tracing_enabled(self) -> bool:
-        await anyio.lowlevel.checkpoint()
-        return self.config.observability.otlp_traces_endpoint is not None
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.config.model.generation_defaults)
+        """Each replica's tensor-parallel settings, with ``data_parallel_size``."""
+        return dataclasses.replace(self.config.parallel,
+                                   data_parallel_size=self.data_parallel_size)
