@@ -22,6 +22,7 @@ from server_helpers import server_in_thread, server_process
 from triollm import AsyncEngineArgs, SamplingParams
 from triollm.engine.process.balance import choose_replica
 from triollm.engine.process.client import EngineClient, replica_cores
+from triollm.engine.process.launch import PrestartedEngines, stop_engine_process
 from triollm.engine.process.protocol import FrameReader, frame
 from triollm.errors import EngineDeadError
 
@@ -100,10 +101,31 @@ def test_offline_llm_and_the_in_process_engine_refuse_data_parallelism() -> None
 @pytest.mark.anyio
 async def test_the_client_streams_aborts_and_then_stops_its_engine_process(
         llama_path: Path) -> None:
-    client = EngineClient.from_engine_args(AsyncEngineArgs(str(llama_path), **ENGINE_ARGS))
+    """The client takes the process started ahead of it (as ``triollm serve`` does)."""
+    with PrestartedEngines([None]) as prestarted:
+        started_pid = prestarted.pids[0]
+        client = EngineClient.from_engine_args(AsyncEngineArgs(str(llama_path), **ENGINE_ARGS),
+                                               prestarted=prestarted)
+        await _serve_abort_and_stop(client, started_pid)
+
+
+def test_engine_processes_never_taken_are_ended_and_reaped() -> None:
+    with PrestartedEngines([None, None]) as prestarted:
+        untaken = psutil.Process(prestarted.pids[0])
+        taken = prestarted.take(1)
+        assert taken is not None and prestarted.take(1) is None
+        assert list(prestarted.pids) == [0]
+    assert not untaken.is_running()  # ended and reaped
+    assert taken[0].poll() is None  # the taker's to stop
+    taken[1].close()
+    stop_engine_process(taken[0], wait=0)
+    assert taken[0].returncode is not None
+
+
+async def _serve_abort_and_stop(client: EngineClient, started_pid: int) -> None:
     async with client as engine:
         (pid,) = engine.engine_pids
-        assert pid is not None and psutil.pid_exists(pid)
+        assert pid == started_pid and psutil.pid_exists(pid)
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         outputs = [output async for output in engine.generate(
             {"prompt_token_ids": PROMPTS[0]}, params, "a")]

@@ -12,6 +12,7 @@ honoured, refused or noted before anything loads (``triollm.vllm_env``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,6 +40,7 @@ from triollm.vllm_env import (
 )
 
 if TYPE_CHECKING:
+    from triollm.engine.process.launch import PrestartedEngines
     from triollm.server.engine_kind import ServedEngine
     from triollm.server.routes.lora import LoRAModulePath
     from triollm.server.serve import ServerOptions
@@ -130,7 +132,8 @@ def _environment(namespace: argparse.Namespace) -> VllmEnvironment:
 
 def _serve(namespace: argparse.Namespace) -> int:
     """Check what fails in a second (the arguments, the model's source, the address)
-    before torch loads, then the model (seconds to minutes)."""
+    before torch loads; start the engine processes, which import torch and load the
+    model (seconds to minutes) while this process imports its server."""
     from triollm.server.listen import bind_listening_sockets
 
     if namespace.model_tag is not None:
@@ -142,14 +145,15 @@ def _serve(namespace: argparse.Namespace) -> int:
     if namespace.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     _check_model_sources(args)
-    options = _server_options(values, bind_listening_sockets(
-        _host(namespace), namespace.port, namespace.uds))
+    listen_fds = bind_listening_sockets(_host(namespace), namespace.port, namespace.uds)
     environment = _environment(namespace)
-    configure_logging(environment, options.log_level)
+    configure_logging(environment, values["log_level"])
     apply_cpu_binding(environment)
-    from triollm.server.serve import serve_blocking
+    with _prestarted_engines(args, environment) as prestarted:
+        options = _server_options(values, listen_fds)
+        from triollm.server.serve import serve_blocking
 
-    return serve_blocking(_engine(args, environment), options)
+        return serve_blocking(_engine(args, environment, prestarted), options)
 
 
 def _check_data_parallel(namespace: argparse.Namespace, args: AsyncEngineArgs) -> None:
@@ -160,16 +164,33 @@ def _check_data_parallel(namespace: argparse.Namespace, args: AsyncEngineArgs) -
                          f"({args.data_parallel_size})")
 
 
-def _engine(args: AsyncEngineArgs, environment: VllmEnvironment) -> ServedEngine:
-    """The engine ``triollm serve`` runs: in this process, or in engine processes
+def _engine_in_processes(args: AsyncEngineArgs, environment: VllmEnvironment) -> bool:
+    """Whether ``triollm serve`` runs its engine in engine processes
     (``--data-parallel-size`` above 1, or ``VLLM_ENABLE_V1_MULTIPROCESSING``)."""
     own_process = environment.engine_process
     if own_process is None:
         own_process = ENGINE_PROCESS_BY_DEFAULT
-    if args.data_parallel_size > 1 or own_process:
+    return args.data_parallel_size > 1 or own_process
+
+
+def _prestarted_engines(args: AsyncEngineArgs, environment: VllmEnvironment
+                        ) -> contextlib.AbstractContextManager[PrestartedEngines | None]:
+    if not _engine_in_processes(args, environment):
+        return contextlib.nullcontext()
+    from triollm.engine.process.client import replica_cores
+    from triollm.engine.process.launch import PrestartedEngines
+
+    return PrestartedEngines(replica_cores(args.data_parallel_size))
+
+
+def _engine(args: AsyncEngineArgs, environment: VllmEnvironment,
+            prestarted: PrestartedEngines | None = None) -> ServedEngine:
+    """The engine ``triollm serve`` runs: in this process, or in engine processes."""
+    if _engine_in_processes(args, environment):
         from triollm.engine.process.client import EngineClient
 
-        return EngineClient.from_engine_args(args)  # validates the arguments first
+        # validates the arguments first
+        return EngineClient.from_engine_args(args, prestarted=prestarted)
     from triollm.engine.async_engine import AsyncLLMEngine
 
     return AsyncLLMEngine.from_engine_args(args)

@@ -1,4 +1,4 @@
-"""The engine process: ``python -m triollm.engine.process.child FD``.
+"""The engine process: ``python -m triollm.engine.process.child FD PARENT_PID [CORES]``.
 
 It runs the ordinary ``AsyncLLMEngine`` (its step loop, its model thread) under trio,
 with an ``Outbox`` (engine/process/outbox.py) in place of the request channels, and
@@ -215,8 +215,7 @@ def _configure(setup: EngineSetup) -> None:
         logging.basicConfig(level=setup.log_level, format=setup.log_format)
     else:
         logging.getLogger().setLevel(setup.log_level)
-    if setup.cores is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, setup.cores)
+    if setup.cores is not None:
         logger.info("engine %d: computing on cores %s", setup.index,
                     ",".join(map(str, sorted(setup.cores))))
 
@@ -226,10 +225,22 @@ async def _serve(sock: socket.socket, setup: EngineSetup, reader: FrameReader) -
         await EngineProcess(setup, stream, reader).serve()
 
 
+def _import_model_code() -> None:
+    """Import what building the engine imports (torch, transformers, the runner):
+    seconds the server spends on its own imports meanwhile, before the setup comes."""
+    import transformers.modeling_utils  # noqa: F401
+
+    import triollm.model.runners.torch_runner  # noqa: F401
+
+
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
+    die_with_parent(int(sys.argv[2]))
+    if len(sys.argv) > 3 and hasattr(os, "sched_setaffinity"):
+        # before torch loads: OpenMP sizes its pool by the affinity it starts with
+        os.sched_setaffinity(0, {int(core) for core in sys.argv[3].split(",")})
+    _import_model_code()
     setup, reader = _read_setup(sock)
-    die_with_parent(setup.parent_pid)
     _configure(setup)
     status = 0
     try:

@@ -32,6 +32,7 @@ from triollm.engine.assembly import load_engine_tokenizer
 from triollm.engine.channel import RequestChannel, Wakeup, wakeup_factory
 from triollm.engine.process.balance import choose_replica
 from triollm.engine.process.client_api import EngineClientAPI
+from triollm.engine.process.launch import PrestartedEngines
 from triollm.engine.process.protocol import Abort, AddRequest, EngineSetup, StepOutputs
 from triollm.engine.process.replica import DEFAULT_HEARTBEAT_TIMEOUT, EngineReplica
 from triollm.engine.stats import LoggingStatLogger, StatLoggers, stat_logger_list
@@ -91,7 +92,9 @@ class EngineClient(EngineClientAPI):
 
     def __init__(self, args: AsyncEngineArgs, *, stream_buffer_size: int = 1,
                  stat_loggers: StatLoggers | None = None,
-                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+                 prestarted: PrestartedEngines | None = None) -> None:
+        self._prestarted = prestarted
         self.config = args.create_engine_config()
         self.tokenizer = load_engine_tokenizer(self.config)
         self.log_stats = not args.disable_log_stats
@@ -166,8 +169,7 @@ class EngineClient(EngineClientAPI):
                 args=dataclasses.replace(args, cpu_threads=threads), index=index,
                 cores=cores, log_level=root.getEffectiveLevel(),
                 log_format=formats[0] if formats else None, log_config=None,
-                log_stats=bool(self._stat_loggers), stream_buffer_size=self._buffer_size,
-                parent_pid=os.getpid()))
+                log_stats=bool(self._stat_loggers), stream_buffer_size=self._buffer_size))
         return setups
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -178,7 +180,10 @@ class EngineClient(EngineClientAPI):
             raise RuntimeError("this engine has already been started; make a new one")
         self._started = True
         self._make_wakeup = wakeup_factory()
-        self._replicas = [EngineReplica(setup, self, self._heartbeat_timeout)
+        prestarted = self._prestarted
+        self._prestarted = None
+        self._replicas = [EngineReplica(setup, self, self._heartbeat_timeout,
+                                        prestarted.take(setup.index) if prestarted else None)
                           for setup in self._setups()]
         try:
             async with anyio.create_task_group() as task_group:

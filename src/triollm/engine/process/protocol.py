@@ -63,7 +63,6 @@ class EngineSetup:
     #: Whether the engine feeds stat loggers (the server's metrics and stats line).
     log_stats: bool
     stream_buffer_size: int
-    parent_pid: int
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,20 @@
 """One engine process, seen from the server: ``EngineReplica``.
 
-``run`` starts the process, sends its ``EngineSetup``, waits for ``Ready``, reports
-started, then reads its messages until it ends, handing each step's outputs to the
-client (``ReplicaSink``). Messages to it are queued without waiting (``send``) and
-written by one task, in order. The replica is dead, and ``run`` raises
-``EngineDeadError``, when the process exits, or sends nothing for
-``heartbeat_timeout`` seconds once ready (it is then killed: a hung engine); the sink
-hears of it first, so every open stream fails before anything is cancelled. On every
-way out the socket is closed and the process stopped and reaped
-(engine/process/launch.py).
-"""
+``run`` starts the process (or takes the one started for it), sends its
+``EngineSetup``, waits for ``Ready``, reports started, then reads its messages until it
+ends, handing each step's outputs to the client (``ReplicaSink``). Messages to it are
+queued without waiting (``send``) and written by one task, in order. The replica is
+dead, and ``run`` raises ``EngineDeadError``, when the process exits, or sends nothing
+for ``heartbeat_timeout`` seconds once ready (it is then killed: a hung engine); the
+sink hears of it first, so every open stream fails before anything is cancelled. On
+every way out the socket is closed and the process stopped and reaped
+(engine/process/launch.py)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import socket
 import subprocess
 from typing import NoReturn, Protocol
 
@@ -64,8 +64,11 @@ class EngineReplica:
     """The server's handle on one engine process."""
 
     def __init__(self, setup: EngineSetup, sink: ReplicaSink,
-                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+                 started: tuple[subprocess.Popen[bytes], socket.socket] | None = None
+                 ) -> None:
         self.setup = setup
+        self._started = started
         self.index = setup.index
         self.sink = sink
         self.heartbeat_timeout = heartbeat_timeout
@@ -105,7 +108,8 @@ class EngineReplica:
                   ) -> None:
         # Started from the event loop's thread, not a worker thread: the kernel kills
         # the process when the thread that started it ends (PR_SET_PDEATHSIG).
-        process, sock = start_engine_process()
+        process, sock = self._started or start_engine_process(self.setup.cores)
+        self._started = None
         self.pid = process.pid
         try:
             stream = await anyio.abc.UNIXSocketStream.from_socket(sock)
