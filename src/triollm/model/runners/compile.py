@@ -239,7 +239,8 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
                     decoder, cache_directory(compile_key(dummy, attention, dtype)), backend,
                     load_only=attempt == "load")
                 decoder._compiled_call_impl = precompiled
-            _compile_shapes(dummy, attention, shapes, plan.expected, dtype, stop)
+            _compile_shapes(dummy, attention, shapes, plan.expected, dtype, stop,
+                            "loading" if attempt == "load" else "compiling")
             break
         except Exception as error:  # a missing or broken C++ toolchain, or a torch bug
             decoder._compiled_call_impl = None
@@ -299,13 +300,14 @@ def compile_key(dummy: DummyDecodes, attention: DecodeAttention, dtype: torch.dt
 
 def _compile_shapes(dummy: DummyDecodes, attention: DecodeAttention,
                     shapes: list[tuple[int, int]], expected: torch.Tensor,
-                    dtype: torch.dtype, stop: Callable[[], bool]) -> None:
+                    dtype: torch.dtype, stop: Callable[[], bool], doing: str) -> None:
     """Run the compiled forward for each (thread count, batch) of ``shapes``, compiling
-    it; ``RuntimeError`` where the last one's logits differ from ``expected``."""
+    (or loading) it; ``RuntimeError`` where the last one's logits differ from
+    ``expected``. ``doing`` names it in the progress lines."""
     for index, (count, batch) in enumerate(shapes, 1):
         if stop():
             raise CompileStopped
-        logger.info("compiling the model: %d/%d (%d thread%s, %d token%s)...", index,
+        logger.info("%s the model: %d/%d (%d thread%s, %d token%s)...", doing, index,
                     len(shapes), count, "" if count == 1 else "s", batch,
                     "" if batch == 1 else "s")
         torch.set_num_threads(count)
