@@ -285,10 +285,23 @@ def test_disable_log_stats_silences_the_stats_line(llama_path: Path,
 
 
 def test_triollm_serve_writes_one_start_line_and_one_access_line_per_request_in_one_format(
-        llama_path: Path) -> None:
+        llama_path: Path, tmp_path: Path) -> None:
+    """In the format of ``VLLM_LOGGING_CONFIG_PATH``'s config, which the engine's own
+    process applies whole (a logger of its own with its own format included)."""
+    config = tmp_path / "logging.json"
+    line_format = "%(levelname)s %(asctime)s [{}] %(name)s: %(message)s"
+    config.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"root": {"format": line_format.format("cfg")},
+                       "runners": {"format": line_format.format("cfg runners")}},
+        "handlers": {name: {"class": "logging.StreamHandler", "formatter": name,
+                            "stream": "ext://sys.stdout"} for name in ("root", "runners")},
+        "loggers": {"triollm.model.runners": {"handlers": ["runners"], "propagate": False}},
+        "root": {"level": "INFO", "handlers": ["root"]}}))
     with server_process(str(llama_path), "--dtype", "float32", "--max-model-len", "256",
                         "--num-gpu-blocks-override", "64", "--served-model-name", MODEL,
-                        "--disable-access-log-for-endpoints", "/metrics,/ping"
+                        "--disable-access-log-for-endpoints", "/metrics,/ping",
+                        env={"VLLM_LOGGING_CONFIG_PATH": str(config)}
                         ) as (process, url):
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
         httpx.post(url + "/v1/completions?t=plain", json=body, timeout=60)
@@ -305,8 +318,10 @@ def test_triollm_serve_writes_one_start_line_and_one_access_line_per_request_in_
     # transformers' progress bars, while the weights load, are not log lines.
     lines = [line for line in process.output.splitlines()  # type: ignore[attr-defined]
              if line and not re.search(r"\d+%\|.*\| *\d+/\d+ \[", line)]
-    assert all(re.match(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d ", line)
-               for line in lines), lines
+    assert all(re.match(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d .* \[cfg",
+                        line) for line in lines), lines
+    # a line of the engine process's
+    assert any("[cfg runners] triollm.model.runners: engine ready" in line for line in lines)
     assert len([line for line in lines if re.search(r"Running on|serving .* at", line)]) == 1
     access = [LINE.search(line) for line in lines if "access_log" in line]
     tagged = {m.group(3).partition("?t=")[2]: m for m in access if m is not None}

@@ -190,7 +190,8 @@ def _engine(args: AsyncEngineArgs, environment: VllmEnvironment,
         from triollm.engine.process.client import EngineClient
 
         # validates the arguments first
-        return EngineClient.from_engine_args(args, prestarted=prestarted)
+        return EngineClient.from_engine_args(args, prestarted=prestarted,
+                                             log_config=environment.logging_config)
     from triollm.engine.async_engine import AsyncLLMEngine
 
     return AsyncLLMEngine.from_engine_args(args)

@@ -85,7 +85,8 @@ VLLM_VARIABLES: dict[str, VllmVariable] = {
     "VLLM_CONFIGURE_LOGGING": _honoured("0: triollm serve leaves Python's logging as it "
                                         "is"),
     "VLLM_LOGGING_CONFIG_PATH": _honoured("a JSON file of logging.config.dictConfig, "
-                                          "applied instead of triollm's format"),
+                                          "applied instead of triollm's format, by the "
+                                          "engine processes too"),
     "VLLM_TARGET_DEVICE": _honoured("cpu or cuda: the default of --device"),
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": _honoured(
         "true or 1 serves /v1/load_lora_adapter and /v1/unload_lora_adapter"),

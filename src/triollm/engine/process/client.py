@@ -93,8 +93,14 @@ class EngineClient(EngineClientAPI):
     def __init__(self, args: AsyncEngineArgs, *, stream_buffer_size: int = 1,
                  stat_loggers: StatLoggers | None = None,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                 prestarted: PrestartedEngines | None = None) -> None:
+                 prestarted: PrestartedEngines | None = None,
+                 log_config: Mapping[str, Any] | None = None) -> None:
+        """``prestarted``: engine processes started ahead of this client (``triollm
+        serve``'s), taken instead of starting new ones. ``log_config``: a
+        ``logging.config.dictConfig`` the engine processes apply (as the server applied
+        ``VLLM_LOGGING_CONFIG_PATH``'s) instead of the server's log format."""
         self._prestarted = prestarted
+        self._log_config = log_config
         self.config = args.create_engine_config()
         self.tokenizer = load_engine_tokenizer(self.config)
         self.log_stats = not args.disable_log_stats
@@ -168,7 +174,7 @@ class EngineClient(EngineClientAPI):
             setups.append(EngineSetup(
                 args=dataclasses.replace(args, cpu_threads=threads), index=index,
                 cores=cores, log_level=root.getEffectiveLevel(),
-                log_format=formats[0] if formats else None, log_config=None,
+                log_format=formats[0] if formats else None, log_config=self._log_config,
                 log_stats=bool(self._stat_loggers), stream_buffer_size=self._buffer_size))
         return setups
 
