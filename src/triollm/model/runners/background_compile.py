@@ -25,10 +25,12 @@ the serving model thread because:
   switches;
 - torch's intra-op thread count and dynamo's frame hook are per thread, so it compiles
   (or loads) for each thread count without changing the model thread's;
-- it runs at a lower OS priority (Linux ``nice`` is per thread, and the OpenMP threads
-  and compiler processes it starts inherit it), so the model thread keeps its cores;
-  what a compile in this thread still costs the serving thread is the GIL while dynamo
-  traces in Python.
+- where it compiles, it runs at a lower OS priority (Linux ``nice`` is per thread, and
+  the OpenMP threads and compiler processes it starts inherit it), so the model thread
+  keeps its cores; what a compile in this thread still costs the serving thread is the
+  GIL while dynamo traces in Python. Loading saved artifacts keeps the normal priority:
+  it takes seconds, and niced under steady traffic it would starve, leaving the model
+  eager (several times slower on a small model) for as long.
 
 Lifetime: the runner's ``shutdown`` sets a stop flag, which the compile checks between
 compiles (and before each inductor compile) and the wait for the compile process
@@ -82,7 +84,11 @@ def background_build(dummy: DummyDecodes, attention: DecodeAttention, plan: Comp
     if directory is None:
         logger.info("compiling the model in the background (%d shapes); serving eagerly "
                     "meanwhile", shapes)
-        return lambda stop: build_compiled(dummy, attention, plan, dtype, stop)
+
+        def compile_here(stop: Callable[[], bool]) -> bool:
+            _lower_this_threads_priority()
+            return build_compiled(dummy, attention, plan, dtype, stop)
+        return compile_here
     job = CompileJob(config, plan.counts, cache_dtype, key)
     saved = has_artifacts(directory, plan.counts)
     logger.info("%s in the background (%d shapes%s); serving eagerly meanwhile",
@@ -95,6 +101,13 @@ def background_build(dummy: DummyDecodes, attention: DecodeAttention, plan: Comp
         return (not stop() and run_compile_process(job, stop)
                 and build_compiled(dummy, attention, plan, dtype, stop, load_only=True))
     return build
+
+
+def _lower_this_threads_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile anyway
+        pass
 
 
 class BackgroundCompile:
@@ -110,10 +123,6 @@ class BackgroundCompile:
         self._thread.start()
 
     def _main(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
-        except (AttributeError, OSError):  # not Linux, or not allowed: compile anyway
-            pass
         try:
             self._compiled = self._build(self._stop.is_set)
         except BaseException as error:  # the thread's end: the engine must not see it
