@@ -6,11 +6,12 @@ The model has Qwen2.5-0.5B's shape with random bf16 weights (benchmarks/quantiza
 builds it). Random weights summarise nothing, so the workloads are made from the
 model's own behaviour, once, in a first process:
 
-- candidates: 12 prompts of 32 random tokens, each continued greedily for 64 tokens;
-- grounded: the 4 candidates whose continuation prompt lookup predicts best (the model
-  has fallen into a loop). The prompt is the candidate and its 64 tokens, so the text
-  the model goes on writing repeats what the prompt holds, as in summarising or
-  editing a given text;
+- candidates: 12 prompts of 32 random tokens, each continued greedily for
+  ``--lookahead-tokens`` tokens (192);
+- grounded: the 4 candidates whose last 64 tokens of continuation prompt lookup
+  predicts best (the model has settled into a loop by then). The prompt is the
+  candidate and its whole continuation, so the text the model goes on writing repeats
+  what the prompt holds, as in summarising or editing a given text;
 - no match: the 4 candidates whose continuation it predicts worst, the prompt alone.
 
 The draft model (``draft_model``) is the target's own first ``--draft-layers`` decoder
@@ -46,7 +47,8 @@ from vs_vllm import CONTAMINATED_CORES, platform_line, run_child
 
 CANDIDATES = 12
 PROMPT_TOKENS = 32
-LOOKAHEAD_TOKENS = 64
+#: Of each candidate's continuation, the last tokens prompt lookup is scored on.
+SCORED_TOKENS = 64
 WORKLOAD_SIZE = 4
 #: The dtype the engines compute in (``--dtype``; children read it from the environment).
 DTYPE_VARIABLE = "SPECULATIVE_BENCHMARK_DTYPE"
@@ -83,7 +85,8 @@ def save_draft(model: str, directory: str, layers: int) -> None:
     transformers.AutoTokenizer.from_pretrained(model).save_pretrained(directory)
 
 
-def select(model: str, path: str, low: int, high: int, optimization_level: int) -> None:
+def select(model: str, path: str, low: int, high: int, optimization_level: int,
+           lookahead: int) -> None:
     from triollm import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype(), max_model_len=1024, max_num_seqs=CANDIDATES,
@@ -92,11 +95,12 @@ def select(model: str, path: str, low: int, high: int, optimization_level: int) 
     prompts = [[rng.randrange(10, 1000) for _ in range(PROMPT_TOKENS)]
                for _ in range(CANDIDATES)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=LOOKAHEAD_TOKENS,
+                           SamplingParams(temperature=0, max_tokens=lookahead,
                                           ignore_eos=True), use_tqdm=False)
-    scored = sorted((predicted_fraction(p, list(o.outputs[0].token_ids), low, high), p,
-                     list(o.outputs[0].token_ids))
-                    for p, o in zip(prompts, outputs, strict=True))
+    continuations = [list(o.outputs[0].token_ids) for o in outputs]
+    scored = sorted((predicted_fraction(p + out[:-SCORED_TOKENS], out[-SCORED_TOKENS:],
+                                        low, high), p, out)
+                    for p, out in zip(prompts, continuations, strict=True))
     workloads = {
         "grounded": [p + out for _, p, out in scored[-WORKLOAD_SIZE:]],
         "no_match": [p for _, p, _ in scored[:WORKLOAD_SIZE]],
@@ -161,6 +165,9 @@ def main() -> None:
                         choices=["ngram", "draft_model"], help="the speculative runs")
     parser.add_argument("--draft-layers", type=int, default=4,
                         help="the draft model's decoder layers, the target's first")
+    parser.add_argument("--lookahead-tokens", type=int, default=192,
+                        help="each candidate's greedy continuation, scored on its last "
+                             f"{SCORED_TOKENS} tokens")
     parser.add_argument("--optimization-level", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
@@ -193,7 +200,7 @@ def main() -> None:
         chosen, others = run_child(
             [sys.executable, os.path.join(here, "speculative.py"), "--select", model,
              workloads, str(args.prompt_lookup_min), str(args.prompt_lookup_max),
-             str(args.optimization_level)], "workload selection")
+             str(args.optimization_level), str(args.lookahead_tokens)], "workload selection")
         print(f"# next tokens prompt lookup predicted: grounded "
               f"{[round(s, 2) for s in chosen['grounded_predicted']]}, no match "
               f"{[round(s, 2) for s in chosen['no_match_predicted']]}")
@@ -223,7 +230,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--select":
-        select(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+        select(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
+               int(sys.argv[7]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5]),
               int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]))
