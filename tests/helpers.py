@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+import psutil
+import pytest
+
+from triollm import SamplingParams
+
+if TYPE_CHECKING:
+    from triollm import AsyncLLMEngine
 
 
 async def run_ticker(lateness: list[float], period: float = 0.001) -> None:
@@ -73,3 +83,49 @@ def transformers_greedy(path: Path, prompts: Sequence[str], max_tokens: int,
             generated = generated[: generated.index(tokenizer.eos_token_id) + 1]
         results.append(generated)
     return results
+
+
+@dataclass
+class MidStreamFault:
+    """What ``fault_a_rank_mid_stream`` saw: the whole greedy request's tokens, the
+    rank process it signalled (set before the signal), and each long stream's error."""
+
+    tokens: list[int] = field(default_factory=list)
+    rank: psutil.Process | None = None
+    errors: dict[int, BaseException] = field(default_factory=dict)
+
+
+async def fault_a_rank_mid_stream(engine: AsyncLLMEngine, prompt: str,
+                                  greedy: SamplingParams,
+                                  find_rank: Callable[[], psutil.Process],
+                                  fault: signal.Signals, seen: MidStreamFault) -> None:
+    """Run ``engine``; decode ``prompt`` whole with ``greedy``; then, while three long
+    streams run, send ``fault`` to the rank process ``find_rank`` names. The engine's
+    crash ends the run (its ``BaseExceptionGroup`` is expected here); ``seen`` holds
+    what happened, also when an assertion stops this early."""
+    from triollm.errors import EngineDeadError
+
+    streaming: set[int] = set()
+    all_streaming = anyio.Event()
+
+    async def consume(i: int) -> None:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        try:
+            async for _ in engine.generate(prompt, params, f"long-{i}"):
+                streaming.add(i)
+                if len(streaming) == 3:
+                    all_streaming.set()
+        except EngineDeadError as error:
+            seen.errors[i] = error
+
+    with pytest.raises(BaseExceptionGroup):
+        async with anyio.create_task_group() as outer:
+            await outer.start(engine.run)
+            async for output in engine.generate(prompt, greedy, "whole"):
+                seen.tokens = list(output.outputs[0].token_ids)
+            seen.rank = find_rank()
+            async with anyio.create_task_group() as consumers:
+                for i in range(3):
+                    consumers.start_soon(consume, i)
+                await all_streaming.wait()
+                os.kill(seen.rank.pid, fault)

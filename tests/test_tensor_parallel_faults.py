@@ -10,14 +10,13 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import anyio
 import openai
 import psutil
 import pytest
 
+from helpers import MidStreamFault, fault_a_rank_mid_stream
 from server_helpers import server_in_thread
 from triollm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
-from triollm.errors import EngineDeadError
 
 PROMPT = "the quick brown fox jumps over"
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
@@ -50,36 +49,17 @@ async def test_a_rank_that_dies_or_hangs_fails_every_stream(
         llama_path: Path, llama_llm: Any, fault: signal.Signals, anyio_backend: str) -> None:
     want = list(llama_llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
     engine = AsyncLLMEngine.from_engine_args(engine_args(llama_path))
-    errors: dict[int, BaseException] = {}
-    streaming: set[int] = set()
-    all_streaming = anyio.Event()
-    got: list[int] = []
     shared: set[str] = set()
 
-    async def consume(i: int) -> None:
-        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-        try:
-            async for _ in engine.generate(PROMPT, params, f"long-{i}"):
-                streaming.add(i)
-                if len(streaming) == 3:
-                    all_streaming.set()
-        except EngineDeadError as error:
-            errors[i] = error
+    def find_rank() -> psutil.Process:
+        (rank,) = rank_processes()
+        shared.update(shared_memory_of(rank.pid))  # read while it still runs
+        return rank
 
-    with pytest.raises(BaseExceptionGroup):
-        async with anyio.create_task_group() as outer:
-            await outer.start(engine.run)
-            async for output in engine.generate(PROMPT, GREEDY, "whole"):
-                got = list(output.outputs[0].token_ids)
-            (rank,) = rank_processes()
-            shared = shared_memory_of(rank.pid)
-            async with anyio.create_task_group() as consumers:
-                for i in range(3):
-                    consumers.start_soon(consume, i)
-                await all_streaming.wait()
-                os.kill(rank.pid, fault)
-    assert got == want
-    assert sorted(errors) == [0, 1, 2]
+    seen = MidStreamFault()
+    await fault_a_rank_mid_stream(engine, PROMPT, GREEDY, find_rank, fault, seen)
+    assert seen.tokens == want
+    assert sorted(seen.errors) == [0, 1, 2]
     assert engine.errored
     assert not rank_processes()
     assert not shared

@@ -21,12 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import psutil
 import pytest
 
+from helpers import MidStreamFault, fault_a_rank_mid_stream
 from triollm import LLM, AsyncEngineArgs, AsyncLLMEngine, EngineArgs, SamplingParams
-from triollm.errors import EngineDeadError
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 PROMPTS = ["hello world", "the quick brown fox jumps over"]
@@ -143,36 +142,16 @@ async def test_a_ray_actor_that_dies_or_hangs_on_a_cluster_fails_every_stream(
         model=str(llama_path), dtype="float32", max_model_len=256,
         num_gpu_blocks_override=64, tensor_parallel_size=2,
         distributed_executor_backend="ray", distributed_timeout_seconds=2.0))
-    errors: dict[int, BaseException] = {}
-    streaming: set[int] = set()
-    all_streaming = anyio.Event()
-    got: list[int] = []
-    actor: psutil.Process | None = None
+    seen = MidStreamFault()
 
-    async def consume(i: int) -> None:
-        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-        try:
-            async for _ in engine.generate(PROMPTS[1], params, f"long-{i}"):
-                streaming.add(i)
-                if len(streaming) == 3:
-                    all_streaming.set()
-        except EngineDeadError as error:
-            errors[i] = error
+    def find_rank() -> psutil.Process:
+        (actor,) = rank_actors(head)  # on the cluster, not under this process
+        return actor
 
     try:
-        with pytest.raises(BaseExceptionGroup):
-            async with anyio.create_task_group() as outer:
-                await outer.start(engine.run)
-                async for output in engine.generate(PROMPTS[1], GREEDY, "whole"):
-                    got = list(output.outputs[0].token_ids)
-                (actor,) = rank_actors(head)  # on the cluster, not under this process
-                async with anyio.create_task_group() as consumers:
-                    for i in range(3):
-                        consumers.start_soon(consume, i)
-                    await all_streaming.wait()
-                    os.kill(actor.pid, fault)
-        assert got == want
-        assert sorted(errors) == [0, 1, 2]
+        await fault_a_rank_mid_stream(engine, PROMPTS[1], GREEDY, find_rank, fault, seen)
+        assert seen.tokens == want
+        assert sorted(seen.errors) == [0, 1, 2]
         assert engine.errored
         assert not wait_for_no_rank_actor(head)
         # the executor disconnects what it connected, and leaves the caller's own alone
@@ -181,6 +160,7 @@ async def test_a_ray_actor_that_dies_or_hangs_on_a_cluster_fails_every_stream(
             table = ray.util.placement_group_table()
             assert table and all(group["state"] == "REMOVED" for group in table.values())
     finally:
+        actor = seen.rank
         if actor is not None and fault == signal.SIGSTOP and psutil.pid_exists(actor.pid):
             os.kill(actor.pid, signal.SIGCONT)
         if ray.is_initialized():
