@@ -144,6 +144,8 @@ def test_a_long_prompt_is_refused_without_stalling_the_loop(
     reply = served_beside_probes(server, path, body)
     assert reply.status_code == 400
     error = reply.json()["error"]
+    # counted from its first characters alone: a client's long prompt costs no more
+    assert error["message"].startswith(f"{error['param']}: at least ")
     assert "leave no room to generate" in error["message"]
     assert error["param"] in ("prompt", "messages")
 

@@ -210,12 +210,14 @@ def test_a_large_bodys_checks_run_in_the_tokenizer_process() -> None:
 
 
 def test_the_tokenizer_process_yields_the_cpu_to_the_model() -> None:
-    """Its work is sized by clients, so it runs at a lower priority than the server."""
+    """Its work is sized by clients, so it runs at the lowest priority there is."""
     worker = TokenizerProcess(pickle.dumps(None))
     try:
         worker.call("check_body", b"{}", 128, 4096)  # the child has started and reniced
         with open(f"/proc/{worker._process.pid}/stat") as stat:
             child_nice = int(stat.read().rsplit(")", 1)[1].split()[16])
         assert child_nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
+        # and it runs only in time no other thread wants (a niced one still takes slices)
+        assert os.sched_getscheduler(worker._process.pid) == os.SCHED_IDLE
     finally:
         worker.close()

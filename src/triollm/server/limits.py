@@ -23,6 +23,11 @@ OFFLOAD_THREADS = 4
 #: Worker processes that encode long texts, and what a long text is (characters).
 OFFLOAD_PROCESSES = 2
 LONG_TEXT_CHARS = 2**18
+#: A long prompt that a model's context cannot hold is refused from its first
+#: ``(max_model_len + PREFIX_MARGIN_TOKENS) * PREFIX_CHARS_PER_TOKEN`` characters alone
+#: when they hold more tokens than that (server/offload.py's ``tokens_at_least``).
+PREFIX_CHARS_PER_TOKEN = 8
+PREFIX_MARGIN_TOKENS = 32
 #: Calls that may wait for one of those threads (or processes); more get 503.
 MAX_OFFLOAD_WAITING = 512
 #: ``stop`` and ``bad_words``: at most this many strings, and this many characters in

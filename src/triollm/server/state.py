@@ -22,7 +22,7 @@ from triollm.server.limits import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     LONG_TEXT_CHARS,
 )
-from triollm.server.offload import Offload
+from triollm.server.offload import Offload, prefix_chars
 from triollm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from triollm.server.tokenizer_process import CallFailed
 
@@ -291,6 +291,19 @@ class ServerState:
         except ValueError as error:
             raise bad_request(error) from error
         max_model_len = self.engine.config.model.max_model_len
+        if truncate_to is None:
+            at_least = await self.offload.tokens_at_least(text, add_special_tokens,
+                                                          max_model_len)
+            counted = (f"{field}: at least {at_least} tokens (counted in its first "
+                       f"{prefix_chars(max_model_len)} characters)")
+            if generating and at_least >= max_model_len:
+                raise OpenAIError(400, f"{counted} leave no room to generate within this "
+                                       f"model's maximum context length of {max_model_len} "
+                                       "tokens", param=field)
+            if not generating and at_least > max_model_len:
+                raise OpenAIError(400, f"{counted} are more than this model takes "
+                                       f"(max_model_len={max_model_len}); shorten it or set "
+                                       "truncate_prompt_tokens", param=field)
         count, ids = await self.offload.encode_tail(text, add_special_tokens, max_model_len)
         if count == len(ids):
             return ids

@@ -19,9 +19,9 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from types import TracebackType
 
+from triollm.child_env import child_environment
 from triollm.model.runners.compile_process import end_group
 
 __all__ = ["CHILD_MODULE", "STOP_SECONDS", "PrestartedEngines", "start_engine_process",
@@ -31,14 +31,6 @@ CHILD_MODULE = "triollm.engine.process.child"
 #: How long an engine process gets to finish its step and shut down once the server
 #: closes its socket, before its group is ended (SIGTERM, then SIGKILL).
 STOP_SECONDS = 5.0
-
-
-def _environment() -> dict[str, str]:
-    """The server's environment with the server's own triollm first on the path: the
-    engine must run the same code."""
-    package_root = str(Path(__file__).resolve().parents[3])
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
 
 
 def start_engine_process(cores: frozenset[int] | None = None
@@ -53,7 +45,7 @@ def start_engine_process(cores: frozenset[int] | None = None
     try:
         process = subprocess.Popen(
             command,
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=_environment(),
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=child_environment(),
             start_new_session=True)
     except BaseException:
         ours.close()

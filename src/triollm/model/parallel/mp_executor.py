@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+from triollm.child_env import child_environment
 from triollm.config import EngineConfig
 from triollm.model.parallel.group import RankGroup, connect_store, join_group
 from triollm.model.parallel.messages import STOP, write_frame
@@ -41,14 +40,6 @@ WORKER_MODULE = "triollm.model.parallel.rank_worker"
 
 class RankFailedError(RuntimeError):
     """A tensor-parallel rank died or stopped answering."""
-
-
-def _environment() -> dict[str, str]:
-    """The driver's environment, its own triollm first on the path (the ranks must run
-    the same model code)."""
-    package_root = str(Path(__file__).resolve().parents[3])
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
 
 
 class MultiprocessExecutor:
@@ -67,7 +58,7 @@ class MultiprocessExecutor:
         level = logging.getLogger("triollm").getEffectiveLevel()
         for rank in range(1, world_size):
             child = subprocess.Popen([sys.executable, "-m", WORKER_MODULE],
-                                     stdin=subprocess.PIPE, env=_environment(),
+                                     stdin=subprocess.PIPE, env=child_environment(),
                                      start_new_session=True)
             self.children.append(child)
             job = RankJob(self.config, rank, host, store.port, self.rank_cpus[rank], level)

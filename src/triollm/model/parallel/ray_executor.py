@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
+from triollm.child_env import child_environment_settings
 from triollm.config import EngineConfig
 from triollm.model.parallel.group import RankGroup, connect_store, join_group
 from triollm.model.parallel.mp_executor import RankFailedError
@@ -86,14 +86,13 @@ class RayExecutor:
         ray.get(self.placement.ready(), timeout=_PLACEMENT_TIMEOUT_S)
         host = ray.util.get_node_ip_address()
         store = connect_store(host, 0, world_size, driver=True)
-        package_root = str(Path(__file__).resolve().parents[3])
-        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         actor_class = ray.remote(RankActor)
         level = logging.getLogger("triollm").getEffectiveLevel()
         setups = []
         for rank in range(1, world_size):
             actor = actor_class.options(
-                num_cpus=threads, runtime_env={"env_vars": {"PYTHONPATH": path}},
+                num_cpus=threads,
+                runtime_env={"env_vars": child_environment_settings(os.environ)},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement, placement_group_bundle_index=rank - 1),
             ).remote()
