@@ -157,7 +157,10 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
 def _lower_priority() -> None:
     os.nice(WORKER_NICENESS)
     if hasattr(os, "SCHED_IDLE"):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # a sandbox that forbids it: the niceness still applies
+            pass
 
 
 if __name__ == "__main__":
