@@ -294,29 +294,32 @@ class ServerState:
         if truncate_to is None:
             at_least = await self.offload.tokens_at_least(text, add_special_tokens,
                                                           max_model_len)
-            counted = (f"{field}: at least {at_least} tokens (counted in its first "
-                       f"{prefix_chars(max_model_len)} characters)")
-            if generating and at_least >= max_model_len:
-                raise OpenAIError(400, f"{counted} leave no room to generate within this "
-                                       f"model's maximum context length of {max_model_len} "
-                                       "tokens", param=field)
-            if not generating and at_least > max_model_len:
-                raise OpenAIError(400, f"{counted} are more than this model takes "
-                                       f"(max_model_len={max_model_len}); shorten it or set "
-                                       "truncate_prompt_tokens", param=field)
+            _refuse_beyond_context(
+                field, f"at least {at_least} tokens (counted in its first "
+                       f"{prefix_chars(max_model_len)} characters)", at_least,
+                generating=generating, max_model_len=max_model_len)
         count, ids = await self.offload.encode_tail(text, add_special_tokens, max_model_len)
         if count == len(ids):
             return ids
         kept = count if truncate_to is None or truncate_to < 0 else min(count, truncate_to)
-        if generating and kept >= max_model_len:
-            raise OpenAIError(400, f"{field}: {kept} tokens leave no room to generate "
-                                   f"within this model's maximum context length of "
-                                   f"{max_model_len} tokens", param=field)
-        if not generating and kept > max_model_len and truncate_to != -1:
-            raise OpenAIError(400, f"{field}: {count} tokens are more than this model "
-                                   f"takes (max_model_len={max_model_len}); shorten it or "
-                                   f"set truncate_prompt_tokens", param=field)
+        if generating or truncate_to != -1:
+            _refuse_beyond_context(field, f"{kept if generating else count} tokens", kept,
+                                   generating=generating, max_model_len=max_model_len)
         return ids
+
+
+def _refuse_beyond_context(field: str, described: str, tokens: int, *, generating: bool,
+                           max_model_len: int) -> None:
+    """A 400 naming ``field`` when its ``tokens`` (``described`` in the message) are more
+    than the context takes; for a prompt to generate from, when they leave no room."""
+    if generating and tokens >= max_model_len:
+        raise OpenAIError(400, f"{field}: {described} leave no room to generate within "
+                               f"this model's maximum context length of {max_model_len} "
+                               "tokens", param=field)
+    if not generating and tokens > max_model_len:
+        raise OpenAIError(400, f"{field}: {described} are more than this model takes "
+                               f"(max_model_len={max_model_len}); shorten it or set "
+                               "truncate_prompt_tokens", param=field)
 
 
 def server_state(request: Request) -> ServerState:
