@@ -37,9 +37,12 @@ def server(llama_path: Path) -> Iterator[ThreadedServer]:
     args = AsyncEngineArgs(model=str(llama_path), dtype="float32", max_model_len=MAX_MODEL_LEN,
                            num_gpu_blocks_override=256, disable_log_requests=True)
     engine = AsyncLLMEngine.from_engine_args(args)
+    # The /health probe polls every 10 ms from the hostile client's address, faster than
+    # one client's share allows (test_client_budget.py): no share here, so that what a
+    # probe measures is the loop.
     with server_in_thread(engine, served_model_names=("tiny",),
                           max_request_body_bytes=4 * 1024 * 1024,
-                          trust_request_chat_template=True) as running:
+                          trust_request_chat_template=True, client_cpu_share=None) as running:
         yield running
     assert not running.errors, running.errors
 

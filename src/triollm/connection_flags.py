@@ -1,7 +1,7 @@
 """``triollm serve``'s flags for what connections may hold (server/admission.py and
 hypercorn's config): uvicorn's ``--limit-concurrency`` and ``--timeout-keep-alive``
-(``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, as vLLM), vLLM's ``--h11-*`` flags, and
-``--body-read-timeout``."""
+(``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, as vLLM), vLLM's ``--h11-*`` flags,
+``--body-read-timeout`` and ``--client-cpu-share``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from triollm.server.limits import (
     DEFAULT_BODY_READ_TIMEOUT,
+    DEFAULT_CLIENT_CPU_SHARE,
     DEFAULT_H11_MAX_HEADER_COUNT,
     DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
     DEFAULT_KEEP_ALIVE_TIMEOUT,
@@ -30,6 +31,11 @@ def add_connection_arguments(group: argparse._ArgumentGroup) -> None:
                        help="seconds a request's body may take to arrive after its "
                             "headers, else 408 and the connection closed; 0: no limit "
                             f"(default: {DEFAULT_BODY_READ_TIMEOUT:g})")
+    group.add_argument("--client-cpu-share", type=_share, default=DEFAULT_CLIENT_CPU_SHARE,
+                       help="the share of one core that one client address's requests "
+                            "the engine does not serve (health, models, tokenize, errors) "
+                            "may take; its answers past it are held; 0: no limit "
+                            f"(default: {DEFAULT_CLIENT_CPU_SHARE:g})")
     group.add_argument("--timeout-keep-alive", type=float, default=None,
                        help="seconds an idle connection (or one still sending its "
                             "headers) stays open (default: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, "
@@ -48,6 +54,7 @@ def connection_options(namespace: argparse.Namespace) -> dict[str, Any]:
     """The ``ServerOptions`` fields the connection flags set."""
     return {"limit_concurrency": namespace.limit_concurrency or None,
             "body_read_timeout": namespace.body_read_timeout or None,
+            "client_cpu_share": namespace.client_cpu_share or None,
             "keep_alive_timeout": _keep_alive_timeout(namespace.timeout_keep_alive),
             "h11_max_incomplete_event_size": namespace.h11_max_incomplete_event_size,
             "h11_max_header_count": namespace.h11_max_header_count}
@@ -64,6 +71,14 @@ def _keep_alive_timeout(flag: float | None) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE={value!r}: expected seconds") from None
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1024:
+        raise argparse.ArgumentTypeError(f"expected a share of a core, 0 (no limit) or "
+                                         f"more, got {text}")
+    return value
 
 
 def _count(text: str) -> int:

@@ -4,7 +4,7 @@ server."""
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_BACKLOG", "DEFAULT_BODY_READ_TIMEOUT",
+__all__ = ["DEFAULT_BACKLOG", "DEFAULT_BODY_READ_TIMEOUT", "DEFAULT_CLIENT_CPU_SHARE",
            "DEFAULT_H11_MAX_HEADER_COUNT", "DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE",
            "DEFAULT_KEEP_ALIVE_TIMEOUT", "DEFAULT_LIMIT_CONCURRENCY",
            "DEFAULT_MAX_LOGPROB_ENTRIES", "DEFAULT_MAX_REQUEST_BODY_BYTES",
@@ -45,6 +45,10 @@ DEFAULT_BODY_READ_TIMEOUT = 30.0
 #: Seconds an idle connection stays open (``--timeout-keep-alive``; uvicorn's and
 #: vLLM's 5, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); also the time to send the headers.
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
+#: The share of one core the answers one client address gets from the server alone
+#: (``--client-cpu-share``, server/client_budget.py): on 2 cores, 25 refused requests a
+#: second, or an 8 MB body every 1.2 s.
+DEFAULT_CLIENT_CPU_SHARE = 0.05
 #: Connections the kernel queues unaccepted (uvicorn's 2048).
 DEFAULT_BACKLOG = 2048
 #: vLLM's defaults for ``--h11-max-incomplete-event-size`` (bytes of a request line and

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from triollm.server.client_budget import charge_work
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import (
     LONG_TEXT_CHARS,
@@ -124,12 +125,20 @@ class Offload:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def _in_process(self, name: str, *args: object) -> tuple[int, bytes]:
+        """``name(*args)`` in a worker process; its time there is charged to the
+        request (server/client_budget.py)."""
         self._check_queue(self._processes)
-        answer: tuple[int, bytes] = await anyio.to_thread.run_sync(
-            self._call_process, name, *args, limiter=self._processes)
-        return answer
+        took = [0.0]
+        try:
+            answer: tuple[int, bytes] = await anyio.to_thread.run_sync(
+                self._call_process, took, name, *args, limiter=self._processes)
+            return answer
+        finally:
+            charge_work(took[0])
 
-    def _call_process(self, name: str, *args: object) -> Any:
+    def _call_process(self, took: list[float], name: str, *args: object) -> Any:
+        """``name(*args)`` in an idle worker process (a new one if none is idle); the
+        CPU seconds of the call there go to ``took[0]``."""
         with self._lock:
             worker = self._idle.pop() if self._idle else None
         if worker is None:
@@ -140,6 +149,7 @@ class Offload:
         try:
             return worker.call(name, *args)
         finally:
+            took[0] = worker.last_call_seconds
             with self._lock:
                 if worker.broken:
                     self._workers.remove(worker)

@@ -24,6 +24,7 @@ from triollm.pooling_params import PoolingParams
 from triollm.request_ids import engine_request_id, random_request_id
 from triollm.sampling_params import SamplingParams, check_text
 from triollm.server.access_log import TokenCounts, token_counts
+from triollm.server.client_budget import note_engine_work
 from triollm.server.errors import (
     OpenAIError,
     bad_request,
@@ -131,6 +132,7 @@ async def generation_request(state: ServerState, request: Request, body: Samplin
                                    params.truncate_prompt_tokens) for prompt in prompts])
     for prompt in ready:
         check_limits(state, prompt, params)
+    note_engine_work(request.scope)
     return GenerationRequest(
         request_id=request_id, engine_ids=tuple(engine_request_id(request_id) for _ in ready),
         prompts=ready, params=params, stream=body.stream, reply=reply,
@@ -146,6 +148,7 @@ def encode_request(state: ServerState, request: Request, body: PoolingFields,
     """The pooling request ``body`` makes of ``prompts``; a 503 while the server shuts
     down."""
     state.require_accepting()
+    note_engine_work(request.scope)
     return EncodeRequest(
         request_id=request_id, engine_ids=tuple(engine_request_id(request_id) for _ in prompts),
         prompts=tuple(prompts), params=params, priority=body.priority,

@@ -47,11 +47,13 @@ from triollm.server.access_log import AccessLog, HypercornLog
 from triollm.server.admission import Admission, AdmissionLimits
 from triollm.server.app import build_app
 from triollm.server.chat_parsing import check_tool_flags
+from triollm.server.client_budget import ClientBudget
 from triollm.server.engine_kind import ServedEngine
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import (
     DEFAULT_BACKLOG,
     DEFAULT_BODY_READ_TIMEOUT,
+    DEFAULT_CLIENT_CPU_SHARE,
     DEFAULT_H11_MAX_HEADER_COUNT,
     DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
     DEFAULT_KEEP_ALIVE_TIMEOUT,
@@ -99,6 +101,9 @@ class ServerOptions:
     limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY
     #: Seconds a request's body may take to arrive after its headers (else 408).
     body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT
+    #: The share of one core one client address's answers from the server alone may
+    #: take (server/client_budget.py); None: no limit.
+    client_cpu_share: float | None = DEFAULT_CLIENT_CPU_SHARE
     #: Seconds an idle connection stays open (uvicorn's --timeout-keep-alive).
     keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
     #: Connections the kernel queues before they are accepted (listen's backlog).
@@ -144,6 +149,8 @@ class ServerHandle:
     urls: list[str]
     engine: ServedEngine
     state: ServerState
+    #: Paces each client's answers (``--client-cpu-share``); None: not paced.
+    client_budget: ClientBudget | None = None
     _stop: anyio.Event = field(default_factory=anyio.Event)
 
     @property
@@ -178,10 +185,11 @@ async def run_server(engine: ServedEngine, options: ServerOptions, *,
         return_tokens_as_token_ids=options.return_tokens_as_token_ids,
         cors=options.cors, enable_auto_tool_choice=options.enable_auto_tool_choice,
         tool_call_parser=options.tool_call_parser), metrics)
+    budget = ClientBudget(options.client_cpu_share) if options.client_cpu_share else None
     app: ASGIApp = Admission(build_app(state, api_docs=options.api_docs), AdmissionLimits(
         limit_concurrency=options.limit_concurrency,
         body_read_timeout=options.body_read_timeout,
-        max_header_count=options.h11_max_header_count))
+        max_header_count=options.h11_max_header_count), budget)
     if options.access_log:
         app = AccessLog(app, excluded_paths=options.access_log_excluded_paths)
     protocol_errors.install()  # hypercorn's 400 and 431 in OpenAI's shape
@@ -214,7 +222,8 @@ async def run_server(engine: ServedEngine, options: ServerOptions, *,
         urls = await root.start(lambda task_status: hypercorn_serve(
             app, config, shutdown_trigger=stop_serving.wait,  # type: ignore[arg-type]
             task_status=task_status))
-        handle = ServerHandle(urls=list(urls), engine=engine, state=state)
+        handle = ServerHandle(urls=list(urls), engine=engine, state=state,
+                              client_budget=budget)
         if options.handle_signals:
             root.start_soon(_watch_signals, handle, options.owns_process)
         root.start_soon(_shutdown_when_asked, handle, state, stop_serving, engine_scope,

@@ -21,6 +21,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from array import array
 from collections.abc import Callable
 from typing import IO, Any
@@ -94,9 +95,11 @@ class CallFailed(RuntimeError):
 
 class TokenizerProcess:
     """One worker process holding a copy of the server's tokenizer (sent pickled at
-    start). One call at a time; a broken process raises ``RuntimeError`` and is done."""
+    start). One call at a time; a broken process raises ``RuntimeError`` and is done.
+    ``last_call_seconds``: the CPU time the last call took in the process."""
 
     def __init__(self, pickled_tokenizer: bytes) -> None:
+        self.last_call_seconds = 0.0
         # the file itself, not the package (whose import the child has no use for);
         # -P: its folder is not put on sys.path
         self._process = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)],
@@ -116,7 +119,7 @@ class TokenizerProcess:
         try:
             self._send((name, args))
             assert self._process.stdout is not None
-            ok, value = pickle.load(self._process.stdout)
+            ok, value, self.last_call_seconds = pickle.load(self._process.stdout)
         except (OSError, EOFError, pickle.UnpicklingError) as error:
             self.close()
             raise RuntimeError(f"the tokenizer process failed: {error!r}") from error
@@ -146,10 +149,13 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
             name, args = pickle.load(stdin)
         except EOFError:
             return
+        started = time.process_time()
+        value: object
         try:
-            answer: tuple[bool, object] = (True, _CALLS[name](tokenizer, *args))
+            ok, value = True, _CALLS[name](tokenizer, *args)
         except Exception as error:
-            answer = (False, f"{type(error).__name__}: {error}")
+            ok, value = False, f"{type(error).__name__}: {error}"
+        answer = (ok, value, time.process_time() - started)
         pickle.dump(answer, stdout, protocol=pickle.HIGHEST_PROTOCOL)
         stdout.flush()
 

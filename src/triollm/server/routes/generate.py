@@ -15,6 +15,7 @@ from triollm.engine.tracing import trace_headers_from
 from triollm.request_ids import engine_request_id, random_request_id
 from triollm.sampling_params import SamplingParams
 from triollm.server.access_log import token_counts
+from triollm.server.client_budget import note_engine_work
 from triollm.server.errors import (
     OpenAIError,
     bad_request,
@@ -68,6 +69,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     prompt = await tokenized(state, body.prompt, None,
                            truncate_to=params.truncate_prompt_tokens)
     check_limits(state, prompt, params)
+    note_engine_work(request.scope)
     request_id = remember_request_id(request, random_request_id("generate"))
     work = GenerationRequest(
         request_id=request_id, engine_ids=(engine_request_id(request_id),), prompts=(prompt,),
