@@ -99,8 +99,10 @@ def test_many_answers_at_once_make_the_address_wait_before_its_next_request() ->
 
 
 def test_the_engine_pays_for_what_it_serves() -> None:
-    assert estimated_cost(served_by_engine=True, failed=False, body_bytes=0,
+    assert estimated_cost(served_by_engine=True, failed=False, body_bytes=10**6,
                           worker_seconds=0.0) == 0.0
+    assert estimated_cost(served_by_engine=True, failed=False, body_bytes=10**6,
+                          worker_seconds=0.5) == 0.5
     assert estimated_cost(served_by_engine=True, failed=True, body_bytes=0,
                           worker_seconds=0.0) == REQUEST_SECONDS
     assert estimated_cost(served_by_engine=False, failed=False, body_bytes=0,

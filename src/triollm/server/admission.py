@@ -12,9 +12,9 @@
   long stream.)
 * **Headers:** a request with more than ``max_header_count`` headers gets 431 (vLLM's
   ``--h11-max-header-count``; h11 bounds their bytes, not their number).
-* **CPU per client:** with a ``ClientBudget`` (client_budget.py), each answer is charged
-  to its client's address when its response starts, and one the engine did not serve
-  is held there while the address is past its share of a core; a request from an
+* **CPU per client:** with a ``ClientBudget`` (client_budget.py), each answer that cost
+  the server's own CPU is charged to its client's address when its response starts,
+  and held there while the address is past its share of a core; a request from an
   address further behind waits before its body is read.
 
 Idle keep-alive connections and unfinished headers are hypercorn's: it closes them
@@ -156,13 +156,13 @@ class _Metered:
     async def _charge(self, status: int) -> None:
         if self.budget is None:
             return
-        engine = served_by_engine(self.scope)
-        failed = status >= 400
-        cost = estimated_cost(served_by_engine=engine, failed=failed,
-                              body_bytes=self.body_bytes,
+        cost = estimated_cost(served_by_engine=served_by_engine(self.scope),
+                              failed=status >= 400, body_bytes=self.body_bytes,
                               worker_seconds=self.work.worker_seconds)
+        if cost <= 0:
+            return
         hold = self.budget.charge(self.client, cost)
-        if hold > 0 and (failed or not engine):
+        if hold > 0:
             self.budget.note_held(hold)
             await anyio.sleep(hold)
 

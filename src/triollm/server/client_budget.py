@@ -7,17 +7,17 @@ fast as they come back, takes that CPU from the model on a small machine: its th
 compute on fewer cores while anything else runs (model/cpu/threads.py).
 
 So each client address may spend ``share`` of one core. Each answer is charged its
-estimated CPU time when its response starts (``estimated_cost``): a fixed cost per
-request the engine did not serve, the bytes of its body, and the seconds its work took
-in the server's worker processes (``charge_work``: a long text's tokenization, a
-request's own chat template). An address that runs more than ``ALLOWANCE_SECONDS``
-ahead of its share has the start of such answers held until it is back within it, so
-a client that sends one
-request after another gets ``share`` of a core. One answer's charge is capped at
-``ONE_ANSWER_SECONDS`` of holding, and a request that arrives while its address is
-further behind than any one client in series can be (several connections at once) waits
-before its body is read. Answers the engine served are charged but never held, so an
-honest client at the same address keeps its pace.
+estimated CPU time when its response starts (``estimated_cost``): the seconds its work
+took in the server's worker processes (``charge_work``: a long text's tokenization, a
+request's own chat template, a large body's check), and for an answer the engine did not
+serve, a fixed cost and its body's bytes too. An address that runs more than
+``ALLOWANCE_SECONDS`` ahead of its share has the start of each charged answer held until
+it is back within it, so a client that sends one request after another gets ``share``
+of a core. One answer's charge is capped at ``ONE_ANSWER_SECONDS`` of holding, and a
+request that arrives while its address is further behind than one client in series can
+be (several connections at once) waits before its body is read. An answer the engine
+served with no worker time costs nothing here, so an honest client at the same address
+keeps its pace.
 """
 
 from __future__ import annotations
@@ -142,12 +142,13 @@ def charge_work(seconds: float) -> None:
 
 def estimated_cost(*, served_by_engine: bool, failed: bool, body_bytes: int,
                    worker_seconds: float) -> float:
-    """An answer's estimated server CPU seconds: a fixed cost unless the engine served
-    it (its cost is the model's), its body's bytes, and its work in worker processes."""
-    cost = body_bytes * BODY_SECONDS_PER_BYTE + worker_seconds
+    """An answer's estimated server CPU seconds. One the engine served is the model's
+    work, which the scheduler shares: only its time in worker processes is charged (a
+    long prompt's tokenization, a request's own chat template). Any other: a fixed cost,
+    its body's bytes and its time in worker processes."""
     if served_by_engine and not failed:
-        return cost
-    return cost + REQUEST_SECONDS
+        return worker_seconds
+    return REQUEST_SECONDS + body_bytes * BODY_SECONDS_PER_BYTE + worker_seconds
 
 
 def client_of(scope: MutableMapping[str, Any]) -> str:
