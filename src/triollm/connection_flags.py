@@ -32,9 +32,10 @@ def add_connection_arguments(group: argparse._ArgumentGroup) -> None:
                             "headers, else 408 and the connection closed; 0: no limit "
                             f"(default: {DEFAULT_BODY_READ_TIMEOUT:g})")
     group.add_argument("--client-cpu-share", type=_share, default=DEFAULT_CLIENT_CPU_SHARE,
-                       help="the share of one core that one client address's requests "
-                            "the engine does not serve (health, models, tokenize, errors) "
-                            "may take; its answers past it are held; 0: no limit "
+                       help="the share of one core that the server's own work for one "
+                            "client address may take (answers the engine does not serve, "
+                            "and tokenizer-worker time); its answers past it are held; "
+                            "0: no limit "
                             f"(default: {DEFAULT_CLIENT_CPU_SHARE:g})")
     group.add_argument("--timeout-keep-alive", type=float, default=None,
                        help="seconds an idle connection (or one still sending its "

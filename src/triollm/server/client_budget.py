@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, MutableMapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ALLOWANCE_SECONDS", "BODY_SECONDS_PER_BYTE", "ONE_ANSWER_SECONDS",
@@ -120,7 +120,7 @@ class ClientBudget:
 class RequestWork:
     """What one request made the server's worker processes do, in seconds."""
 
-    worker_seconds: float = field(default=0.0)
+    worker_seconds: float = 0.0
 
 
 _current_work: ContextVar[RequestWork | None] = ContextVar("triollm_request_work",

@@ -101,8 +101,8 @@ class ServerOptions:
     limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY
     #: Seconds a request's body may take to arrive after its headers (else 408).
     body_read_timeout: float | None = DEFAULT_BODY_READ_TIMEOUT
-    #: The share of one core one client address's answers from the server alone may
-    #: take (server/client_budget.py); None: no limit.
+    #: The share of one core the server's own work for one client address may take
+    #: (server/client_budget.py); None: no limit.
     client_cpu_share: float | None = DEFAULT_CLIENT_CPU_SHARE
     #: Seconds an idle connection stays open (uvicorn's --timeout-keep-alive).
     keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
