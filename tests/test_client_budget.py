@@ -134,7 +134,7 @@ SHARE = REQUEST_SECONDS / 0.1
 def server(request: pytest.FixtureRequest) -> Iterator[ThreadedServer]:
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(disable_log_requests=True),
                                              runner_factory=FakeModelRunner)
-    with server_in_thread(engine, served_model_names=("demo",),
+    with server_in_thread(engine, served_model_names=("demo",), trust_request_chat_template=True,
                           client_cpu_share=request.param) as running:
         yield running
     assert not running.errors, running.errors
@@ -169,8 +169,13 @@ def test_a_flood_is_slowed_to_the_share_while_generation_goes_on(
             "model": "demo", "prompt": "hello", "max_tokens": 4})
         assert response.status_code == 200
         assert time.perf_counter() - started < 0.08
+        metrics = client.get("/metrics").text
     assert server.handle.client_budget is not None
-    assert server.handle.client_budget.statistics().answers_held >= 15
+    held = server.handle.client_budget.statistics().answers_held
+    assert held >= 15
+    scraped = next(line for line in metrics.splitlines()
+                   if line.startswith("triollm:client_answers_held_total "))
+    assert held - 1 <= float(scraped.split()[1]) <= held  # the scrape's own may follow
 
 
 @pytest.mark.parametrize("server", [0.1], indirect=True)
@@ -191,3 +196,31 @@ def test_a_long_texts_tokenization_is_charged_to_its_client(server: ThreadedServ
 def test_without_a_share_nothing_is_held(server: ThreadedServer) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as client:
         assert _timed(lambda: client.get("/health"), 60) < 3.0
+
+
+@pytest.mark.parametrize("server", [0.1], indirect=True)
+def test_a_trusted_request_templates_render_is_held_and_the_next_completion_is_not(
+        server: ThreadedServer) -> None:
+    """A request's own chat template renders in a worker process: the engine serves the
+    answer, but its render time is the client's and the answer is held once the
+    address is past its share. Held, the address never falls so far behind that the
+    same client's next plain completion waits before it is read."""
+    budget = server.handle.client_budget
+    assert budget is not None
+    template = ("{% for i in range(2000) %}{% for j in range(1500) %}{% endfor %}{% endfor %}"
+                "{{ messages[0]['content'] }}")
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for _ in range(20):
+            reply = client.post("/v1/chat/completions", json={
+                "model": "demo", "max_tokens": 2, "chat_template": template,
+                "messages": [{"role": "user", "content": "hi"}]})
+            assert reply.status_code == 200, reply.text
+            if budget.statistics().answers_held:
+                break
+        assert budget.statistics().answers_held == 1
+        assert budget.behind("127.0.0.1") <= ALLOWANCE_SECONDS + ONE_ANSWER_SECONDS
+        started = time.perf_counter()
+        reply = client.post("/v1/completions", json={"model": "demo", "prompt": "hello",
+                                                      "max_tokens": 4})
+        assert reply.status_code == 200
+        assert time.perf_counter() - started < 0.5

@@ -7,10 +7,11 @@ gauges (running, waiting, KV-cache usage) and the engine's own running totals
 speculative decoding's drafts and accepted tokens) are read from
 ``engine.statistics_by_engine()`` when ``/metrics`` is scraped, as is
 ``vllm:cache_config_info`` (the KV cache's settings as labels: its dtype, block size and
-blocks). Every series is labelled ``model_name`` and ``engine`` (the replica's index:
-"0" for one engine, "0" to "N-1" with ``--data-parallel-size N``), as vLLM labels them
-(the info gauge, as vLLM's, ``engine`` only). Metrics vLLM does not have carry a
-``triollm:`` prefix. Each server has its own registry, so several can live in one
+blocks). Every engine series is labelled ``model_name`` and ``engine`` (the replica's
+index: "0" for one engine, "0" to "N-1" with ``--data-parallel-size N``), as vLLM labels
+them (the info gauge, as vLLM's, ``engine`` only). What the server's per-client CPU share
+held (``triollm:client_*``, unlabelled) is read at scrape time too. Metrics vLLM does not
+have carry a ``triollm:`` prefix. Each server has its own registry, so several can live in one
 process (tests do).
 """
 
@@ -32,6 +33,7 @@ from prometheus_client.registry import Collector
 from triollm.engine.stats import EngineStatistics, IterationStats
 
 if TYPE_CHECKING:
+    from triollm.server.client_budget import ClientBudget
     from triollm.server.engine_kind import ServedEngine
 
 __all__ = ["CONTENT_TYPE", "FINISH_REASONS", "PrometheusStatLogger", "request_token_buckets"]
@@ -208,6 +210,26 @@ class _EngineState(Collector):
         return gauge
 
 
+class _ClientBudgetState(Collector):
+    """What the server's ``ClientBudget`` has held, at scrape time."""
+
+    def __init__(self, budget: ClientBudget) -> None:
+        self.budget = budget
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.budget.statistics()
+        yield CounterMetricFamily(
+            "triollm:client_answers_held", "Answers held because their client address "
+            "was past its share of the server's CPU (--client-cpu-share).",
+            value=stats.answers_held)
+        yield CounterMetricFamily("triollm:client_seconds_held",
+                                  "Seconds those answers were held, in all.",
+                                  value=stats.seconds_held)
+        yield GaugeMetricFamily("triollm:client_addresses", "Client addresses the share "
+                                "keeps account of (those behind, and recent ones).",
+                                value=stats.clients)
+
+
 class _EngineSeries:
     """One engine's counters and histograms (its ``engine`` label)."""
 
@@ -272,6 +294,10 @@ class PrometheusStatLogger:
         for request in stats.finished_requests:
             histograms["max_num_generation_tokens"].observe(request.max_num_generation_tokens)
             histograms["n"].observe(request.n)
+
+    def watch_client_budget(self, budget: ClientBudget) -> None:
+        """Report what ``budget`` held too (the ``triollm:client_*`` series)."""
+        self.registry.register(_ClientBudgetState(budget))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -186,6 +186,8 @@ async def run_server(engine: ServedEngine, options: ServerOptions, *,
         cors=options.cors, enable_auto_tool_choice=options.enable_auto_tool_choice,
         tool_call_parser=options.tool_call_parser), metrics)
     budget = ClientBudget(options.client_cpu_share) if options.client_cpu_share else None
+    if metrics is not None and budget is not None:
+        metrics.watch_client_budget(budget)
     app: ASGIApp = Admission(build_app(state, api_docs=options.api_docs), AdmissionLimits(
         limit_concurrency=options.limit_concurrency,
         body_read_timeout=options.body_read_timeout,
