@@ -32,6 +32,12 @@ busy meanwhile (over a tenth of a core marks the figure contaminated).
     python benchmarks/speculative.py
     python benchmarks/speculative.py --num-speculative-tokens 5 --optimization-level 0
     python benchmarks/speculative.py --draft-layers 6
+    python benchmarks/speculative.py --methods ngram --paired-rounds 8   # one process
+
+With ``--paired-rounds R`` every configuration's engine is loaded in one process and
+measured in turn, one generation each, R times; reported per cell is the median of the
+rounds' ratios to plain and their range, which compares runs seconds apart in one
+process instead of separate processes (whose spread was about 10%).
 """
 
 from __future__ import annotations
@@ -41,9 +47,11 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 from quantization import save_model
 from vs_vllm import CONTAMINATED_CORES, platform_line, run_child
@@ -117,46 +125,95 @@ def select(model: str, path: str, low: int, high: int, optimization_level: int,
           flush=True)
 
 
+def load_engine(model: str, speculative: str, batches: list[int], optimization_level: int
+                ) -> Any:
+    from triollm import LLM
+
+    return LLM(model, dtype=dtype(), max_model_len=1024, max_num_seqs=max(batches),
+               optimization_level=optimization_level, enable_prefix_caching=False,
+               speculative_config=json.loads(speculative) if speculative else None)
+
+
+def decode_rate(llm: Any, batch: list[list[int]], tokens: int, repeats: int) -> float:
+    """Tokens/s after each request's first, from the requests' own token times: the
+    prefill (seconds for the grounded prompts) stays out of it. The best of
+    ``repeats``."""
+    from triollm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in batch]
+    best = 0.0
+    for _ in range(repeats):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        metrics = [o.metrics for o in outputs]
+        assert all(m and m.first_token_time and m.last_token_time for m in metrics)
+        started = max(m.first_token_time for m in metrics)
+        ended = max(m.last_token_time for m in metrics)
+        best = max(best, len(batch) * (tokens - 1) / (ended - started))
+    return best
+
+
 def child(model: str, workloads_path: str, speculative: str, batches: list[int],
           decode_tokens: int, optimization_level: int, repeats: int) -> None:
-    from triollm import LLM, SamplingParams
-
     with open(workloads_path) as file:
         workloads: dict[str, list[list[int]]] = json.load(file)
     started = time.perf_counter()
-    llm = LLM(model, dtype=dtype(), max_model_len=1024, max_num_seqs=max(batches),
-              optimization_level=optimization_level, enable_prefix_caching=False,
-              speculative_config=json.loads(speculative) if speculative else None)
+    llm = load_engine(model, speculative, batches, optimization_level)
     load_s = time.perf_counter() - started
-
-    def decode_rate(batch: list[list[int]], tokens: int) -> float:
-        """Tokens/s after each request's first, from the requests' own token times: the
-        prefill (seconds for the grounded prompts) stays out of it."""
-        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        prompts = [{"prompt_token_ids": p} for p in batch]
-        best = 0.0
-        for _ in range(repeats):
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            metrics = [o.metrics for o in outputs]
-            assert all(m and m.first_token_time and m.last_token_time for m in metrics)
-            started = max(m.first_token_time for m in metrics)  # type: ignore[union-attr]
-            ended = max(m.last_token_time for m in metrics)  # type: ignore[union-attr]
-            best = max(best, len(batch) * (tokens - 1) / (ended - started))
-        return best
-
-    decode_rate(workloads["no_match"][:1], 4)  # warm-up
+    decode_rate(llm, workloads["no_match"][:1], 4, 1)  # warm-up
     result: dict[str, float] = {"load_s": load_s}
     for name, prompts in workloads.items():
         for size in batches:
             batch = prompts[:size]
             before = llm.engine.statistics().spec_decoding
-            result[f"{name}_b{size}"] = decode_rate(batch, decode_tokens)
+            result[f"{name}_b{size}"] = decode_rate(llm, batch, decode_tokens, repeats)
             after = llm.engine.statistics().spec_decoding
             if before is not None and after is not None:
                 drafted = after.num_draft_tokens - before.num_draft_tokens
                 accepted = after.num_accepted_tokens - before.num_accepted_tokens
                 result[f"{name}_b{size}_acceptance"] = accepted / drafted if drafted else 0.0
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def paired_child(model: str, workloads_path: str, configs: dict[str, str],
+                 batches: list[int], decode_tokens: int, optimization_level: int,
+                 rounds: int) -> None:
+    """Every configuration's engine in this one process, measured in turn, one
+    generation each, ``rounds`` times (the order rotating each round): each round's
+    ratio to plain compares runs seconds apart in one process, free of the spread
+    between processes."""
+    with open(workloads_path) as file:
+        workloads: dict[str, list[list[int]]] = json.load(file)
+    engines = {mode: load_engine(model, config, batches, optimization_level)
+               for mode, config in configs.items()}
+    for llm in engines.values():
+        decode_rate(llm, workloads["no_match"][:1], 4, 1)  # warm-up
+    modes = list(engines)
+    rates: dict[str, dict[str, list[float]]] = {mode: {} for mode in modes}
+    for index in range(rounds):
+        order = modes[index % len(modes):] + modes[:index % len(modes)]
+        for name, prompts in workloads.items():
+            for size in batches:
+                for mode in order:
+                    rates[mode].setdefault(f"{name}_b{size}", []).append(
+                        decode_rate(engines[mode], prompts[:size], decode_tokens, 1))
+    print("RESULT " + json.dumps(rates), flush=True)
+
+
+def report_paired(rates: dict[str, dict[str, list[float]]], keys: list[str]) -> None:
+    """Per configuration and cell: the median of the rounds' ratios to plain, and their
+    range."""
+    print(f"{'ratio':>8}" + "".join(f"{key:>26}" for key in keys))
+    for mode, cells in rates.items():
+        if mode == "plain":
+            continue
+        line = ""
+        for key in keys:
+            ratios = sorted(a / b for a, b in zip(cells[key], rates["plain"][key],
+                                                  strict=True))
+            line += (f"{statistics.median(ratios):.2f}x "
+                     f"({ratios[0]:.2f}-{ratios[-1]:.2f})").rjust(26)
+        print(f"{mode:>8}{line}")
 
 
 def main() -> None:
@@ -177,6 +234,10 @@ def main() -> None:
                              f"{SCORED_TOKENS} tokens")
     parser.add_argument("--optimization-level", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--paired-rounds", type=int, default=0,
+                        help="instead of a process per configuration, all engines in one "
+                             "process measured in turn this many times, reporting the "
+                             "median of the rounds' ratios to plain")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     os.environ[DTYPE_VARIABLE] = args.dtype
@@ -211,6 +272,19 @@ def main() -> None:
         print(f"# next tokens prompt lookup predicted: grounded "
               f"{[round(s, 2) for s in chosen['grounded_predicted']]}, no match "
               f"{[round(s, 2) for s in chosen['no_match_predicted']]}")
+        keys = [f"{name}_b{size}" for name in ("grounded", "no_match")
+                for size in args.batches]
+        if args.paired_rounds:
+            rates, others = run_child(
+                [sys.executable, os.path.join(here, "speculative.py"), "--paired-child",
+                 model, workloads, json.dumps(configs), json.dumps(args.batches),
+                 str(args.decode_tokens), str(args.optimization_level),
+                 str(args.paired_rounds)], "paired runs")
+            flag = "  CONTAMINATED" if others > CONTAMINATED_CORES else ""
+            print(f"# {args.paired_rounds} rounds in one process; others used "
+                  f"{others:.2f} cores{flag}")
+            report_paired(rates, keys)
+            return
         results = {}
         for mode, config in configs.items():
             command = [sys.executable, os.path.join(here, "speculative.py"), "--child", model,
@@ -221,7 +295,6 @@ def main() -> None:
             flag = "  CONTAMINATED" if others > CONTAMINATED_CORES else ""
             print(f"{mode}: loaded in {result['load_s']:.0f} s; others used "
                   f"{others:.2f} cores{flag}", flush=True)
-    keys = [f"{name}_b{size}" for name in ("grounded", "no_match") for size in args.batches]
     print(f"{'tok/s':>8}" + "".join(f"{key:>24}" for key in keys))
     base = results["plain"]
     for mode, result in results.items():
@@ -239,6 +312,9 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--select":
         select(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
                int(sys.argv[7]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--paired-child":
+        paired_child(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), json.loads(sys.argv[5]),
+                     int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5]),
               int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]))
