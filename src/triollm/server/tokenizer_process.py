@@ -116,6 +116,7 @@ class TokenizerProcess:
     def call(self, name: str, *args: object) -> Any:
         """``name(tokenizer, *args)`` in the process (``encode_tail``, ``encode_json``
         or ``apply_chat_template``); ``CallFailed`` if it raised there."""
+        self.last_call_seconds = 0.0  # a call that breaks the process reports none
         try:
             self._send((name, args))
             assert self._process.stdout is not None
