@@ -47,6 +47,7 @@ MOST_BEHIND_SECONDS = 4 * ONE_ANSWER_SECONDS
 #: Addresses kept before those that owe nothing are forgotten.
 _PRUNE_AT = 1024
 _ENGINE_WORK = "triollm.engine_work"
+_ROUNDING_SECONDS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ class ClientBudget:
                          now + MOST_BEHIND_SECONDS)
         self._paid_until[client] = paid_until
         self._forget_settled(now)
-        return max(0.0, paid_until - now - ALLOWANCE_SECONDS)
+        hold = paid_until - now - ALLOWANCE_SECONDS
+        return hold if hold > _ROUNDING_SECONDS else 0.0  # not a float sum's last bits
 
     def note_held(self, seconds: float) -> None:
         """Count an answer that was held ``seconds``."""
