@@ -292,6 +292,83 @@ def test_a_looping_sequence_accepts_drafts_and_takes_fewer_steps(tokenizer: Any)
     assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens_per_pos[2] > 0
 
 
+def run_steps(core: EngineCore, runner: LoopingRunner) -> list[tuple[int, dict[str, int]]]:
+    """Every step until all requests finish: the requests it scheduled, and the draft
+    tokens each one that samples carried (by the name it was added with)."""
+    steps = []
+    while core.has_unfinished_requests():
+        scheduled = core.schedule()
+        steps.append((len(scheduled.scheduled), {
+            item.request_id.rsplit("-", 1)[0]: item.num_draft_tokens
+            for item in scheduled.scheduled if item.sample}))
+        core.process(scheduled, runner.execute_model(scheduled))
+        assert len(steps) < 1000
+    return steps
+
+
+def test_no_step_speculates_while_more_requests_run_than_the_threshold(
+        tokenizer: Any) -> None:
+    """Three requests with ``disable_by_batch_size`` 2: no drafts while all three run,
+    drafts again once the shortest has finished."""
+    config = EngineArgs(model="triollm/tiny-demo", device="cpu", max_model_len=64,
+                        speculative_config={**NGRAM, "prompt_lookup_min": 1,
+                                            "disable_by_batch_size": 2}
+                        ).create_engine_config()
+    runner = LoopingRunner([(t + 1) % 4 for t in range(VOCAB)], set(), 64, 16)
+    core = EngineCore(config, runner, tokenizer)
+    for name, max_tokens in (("a", 6), ("b", 40), ("c", 40)):
+        core.add_request(name, {"prompt_token_ids": [0, 1, 2, 3, 0, 1]},
+                         SamplingParams(temperature=0, max_tokens=max_tokens,
+                                        ignore_eos=True, detokenize=False))
+    steps = run_steps(core, runner)
+    assert all(not any(drafts.values()) for running, drafts in steps if running > 2)
+    assert any(any(drafts.values()) for running, drafts in steps if running <= 2)
+    assert sum(1 for running, _ in steps if running == 3) >= 5  # "a" ran a while
+
+
+class RejectingRunner(LoopingRunner):
+    """A model whose every draft is wrong: it never accepts one (its own tokens are
+    still ``table[last]``, which prompt lookup goes on predicting)."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        output = RunnerOutput()
+        for item in scheduler_output.scheduled:
+            sequence = self.sequences.setdefault(item.request_id,
+                                                 list(item.prompt_token_ids))
+            written = sequence[:item.start_position] + item.token_ids
+            if item.sample:
+                position = len(written) - 1 - item.num_draft_tokens
+                token = self.next_token(written[position], position)
+                sequence[position + 1:] = [token]
+                output.sampled_token_ids[item.request_id] = token
+                if item.num_draft_tokens:
+                    output.more_token_ids[item.request_id] = []
+            else:
+                sequence[:] = written
+        return output
+
+
+def test_a_request_whose_drafts_keep_failing_pauses_then_tries_again(tokenizer: Any) -> None:
+    from triollm.engine.speculative.speculator import ACCEPTANCE_WINDOW, PAUSE_STEPS
+
+    config = EngineArgs(model="triollm/tiny-demo", device="cpu", max_model_len=128,
+                        speculative_config={**NGRAM, "prompt_lookup_min": 1}
+                        ).create_engine_config()
+    runner = RejectingRunner([(t + 1) % 4 for t in range(VOCAB)], set(), 64, 16)
+    core = EngineCore(config, runner, tokenizer)
+    core.add_request("a", {"prompt_token_ids": [0, 1, 2, 3, 0, 1]},
+                     SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
+                                    detokenize=False))
+    drafted = [bool(drafts.get("a")) for _, drafts in run_steps(core, runner)]
+    first = drafted.index(True)
+    assert drafted[first:first + ACCEPTANCE_WINDOW] == [True] * ACCEPTANCE_WINDOW
+    paused = drafted[first + ACCEPTANCE_WINDOW:first + ACCEPTANCE_WINDOW + PAUSE_STEPS]
+    assert paused == [False] * PAUSE_STEPS
+    assert drafted[first + ACCEPTANCE_WINDOW + PAUSE_STEPS] is True  # tries afresh
+    spec = core.statistics().spec_decoding
+    assert spec is not None and spec.num_draft_tokens > 0 and spec.num_accepted_tokens == 0
+
+
 def test_the_stats_line_gives_the_acceptance_since_the_previous_line(
         caplog: pytest.LogCaptureFixture) -> None:
     from triollm.engine.speculative.speculator import SpecDecodingStatistics
@@ -324,6 +401,13 @@ def test_the_cli_flag_reaches_the_engine_and_older_flags_point_to_it(
     engine = engine_args_from_namespace(parse("--speculative-config", json.dumps(NGRAM)))
     assert engine.speculative_config == json.dumps(NGRAM)
     assert parse().speculative_config is None
+    for older in (["--num-speculative-tokens", "3"], ["--speculative-disable-by-batch-size", "4"],
+                  ["--ngram-prompt-lookup-max", "4"], ["--speculative-disable-mqa-scorer"]):
+        with pytest.raises(SystemExit):
+            parse(*older)
+        error = capsys.readouterr().err
+        assert "--speculative-config" in error and older[0] in error
+    assert parse("--disable-logprobs-during-spec-decoding", "False").speculative_config is None
     with pytest.raises(SystemExit):
-        parse("--num-speculative-tokens", "3")
-    assert "--speculative-config" in capsys.readouterr().err
+        parse("--disable-logprobs-during-spec-decoding")  # True: logprobs are returned
+    assert "returns the logprobs a request asks for" in capsys.readouterr().err

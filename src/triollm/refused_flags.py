@@ -34,8 +34,9 @@ _KERNELS = "vLLM's kernel, CUDA-graph and compilation settings have no counterpa
 _TRACING = ("NVTX and trace-replay tracing are not supported (OpenTelemetry is: "
             "--otlp-traces-endpoint)")
 _METRICS = "this metric is not implemented"
-_SPEC = ("pass speculative decoding as --speculative-config JSON (method ngram, or "
-         "draft_model with its model)")
+_SPEC = ("pass speculative decoding as --speculative-config JSON (method ngram with "
+         "prompt_lookup_min/max, or draft_model with its model; num_speculative_tokens, "
+         "disable_by_batch_size)")
 _OFFLOAD = "weight and KV-cache offloading are not supported"
 _DISAGG = "disaggregated serving (KV, encoder-cache and weight transfer) is not supported"
 _MAMBA = "triollm serves attention-only transformers models (no Mamba or hybrid caches)"
@@ -47,8 +48,9 @@ _NOT_IMPLEMENTED = "not implemented by triollm"
 
 @dataclass(frozen=True)
 class RefusedFlag:
-    """A vLLM flag: ``switch`` (on/off, refused when on), ``value`` or ``values`` (one
-    or several values, refused unless every one is in ``neutral``)."""
+    """A vLLM flag: ``switch`` (on/off, refused when on), ``value``, ``optional`` (a
+    value that may be left out) or ``values`` (one or several values), refused unless
+    every value is in ``neutral``."""
 
     kind: str
     reason: str
@@ -61,6 +63,12 @@ def _switches(reason: str, *names: str) -> dict[str, RefusedFlag]:
 
 def _values(reason: str, *names: str, neutral: tuple[str, ...] = ()) -> dict[str, RefusedFlag]:
     return {name: RefusedFlag("value", reason, neutral) for name in names}
+
+
+def _optional(reason: str, *names: str, neutral: tuple[str, ...] = ()
+              ) -> dict[str, RefusedFlag]:
+    """Flags whose value may be left out (vLLM's ``nargs="?"`` booleans, meaning True)."""
+    return {name: RefusedFlag("optional", reason, neutral) for name in names}
 
 
 def _lists(reason: str, *names: str) -> dict[str, RefusedFlag]:
@@ -228,7 +236,15 @@ OLDER_VLLM_FLAGS: dict[str, RefusedFlag] = {
     **_values(_KERNELS, "--max-seq-len-to-capture"),
     **_values("vLLM renamed it --pooler-config; pass that", "--override-pooler-config"),
     **_values(_SPEC, "--speculative-model", "--num-speculative-tokens",
-              "--num-lookahead-slots"),
+              "--num-lookahead-slots", "--speculative-model-quantization",
+              "--speculative-draft-tensor-parallel-size", "--speculative-max-model-len",
+              "--speculative-disable-by-batch-size", "--ngram-prompt-lookup-max",
+              "--ngram-prompt-lookup-min", "--spec-decoding-acceptance-method",
+              "--typical-acceptance-sampler-posterior-threshold",
+              "--typical-acceptance-sampler-posterior-alpha"),
+    **_switches(_SPEC, "--speculative-disable-mqa-scorer"),
+    **_optional("speculative decoding returns the logprobs a request asks for",
+                "--disable-logprobs-during-spec-decoding", neutral=("False",)),
     **_values(_NOT_IMPLEMENTED + ": change the model's config.json instead",
               "--rope-scaling", "--rope-theta"),
     **_values(_NOT_IMPLEMENTED, "--tokenizer-pool-size", neutral=("0",)),
@@ -283,6 +299,9 @@ def add_refused_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup)
             kwargs["nargs"] = 0
         elif refused.kind == "values":
             kwargs["nargs"] = "+"
+        elif refused.kind == "optional":
+            kwargs["nargs"] = "?"
+            kwargs["const"] = "True"
         parser.add_argument(*names, action=_Refuse, refused=refused, default=None,
                             dest="refused_" + flag[2:].replace("-", "_"),
                             help=argparse.SUPPRESS, **kwargs)
