@@ -73,6 +73,18 @@ def test_greedy_outputs_match_without_speculation_and_drafts_are_accepted(
         plain[1].outputs[0].cumulative_logprob, abs=1e-3)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "opt", "gpt2"])
+def test_every_other_family_decodes_the_same_greedy_tokens_with_speculation(
+        tiny_models: dict[str, Path], family: str) -> None:
+    """(Llama and Qwen2 above and below.)"""
+    plain = LLM(str(tiny_models[family]), **ENGINE)
+    spec = LLM(str(tiny_models[family]), speculative_config=SPEC, **ENGINE)
+    params = greedy(24)
+    assert tokens_of(spec.generate(token_prompts(PROMPTS[:3]), params)) == tokens_of(
+        plain.generate(token_prompts(PROMPTS[:3]), params))
+    assert accepted(spec) > 0
+
+
 def test_stop_strings_and_max_tokens_cut_inside_an_accepted_run(
         llama_llm: LLM, spec_llm: LLM) -> None:
     [full] = llama_llm.generate(token_prompts(PROMPTS[:1]), greedy(40))
@@ -134,6 +146,18 @@ def test_qwen2_with_a_tiny_cache_that_preempts_matches_without_speculation(
     stats = spec_llm.engine.statistics()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert tokens_of(spec_llm.generate(prompts[:2], greedy(30))) == tokens_of(plain[:2])
+    assert spec_llm.engine.statistics().prefix_cache_hits > stats.prefix_cache_hits
+    # a mix of finishes and aborts mid-run, while drafts are in flight
+    core = spec_llm.engine
+    for index, prompt in enumerate(prompts):
+        core.add_request(f"mix-{index}", prompt, greedy(10 + 5 * index))
+    for _ in range(6):
+        core.step()
+    core.abort_request(["mix-1", "mix-4", "mix-6"])
+    while core.has_unfinished_requests():
+        core.step()
+    stats = core.statistics()
+    assert stats.num_free_blocks == stats.num_total_blocks
 
 
 @pytest.mark.anyio
