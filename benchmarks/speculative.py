@@ -37,7 +37,9 @@ busy meanwhile (over a tenth of a core marks the figure contaminated).
 With ``--paired-rounds R`` every configuration's engine is loaded in one process and
 measured in turn, one generation each, R times; reported per cell is the median of the
 rounds' ratios to plain and their range, which compares runs seconds apart in one
-process instead of separate processes (whose spread was about 10%).
+process instead of separate processes (whose spread was about 10%). With
+``--control`` a second plain engine is measured like the others: its ratio is what two
+identical engines differ by, the yardstick for the others'.
 """
 
 from __future__ import annotations
@@ -238,6 +240,8 @@ def main() -> None:
                         help="instead of a process per configuration, all engines in one "
                              "process measured in turn this many times, reporting the "
                              "median of the rounds' ratios to plain")
+    parser.add_argument("--control", action="store_true",
+                        help="a second plain engine, measured like the others")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     os.environ[DTYPE_VARIABLE] = args.dtype
@@ -254,6 +258,8 @@ def main() -> None:
         model = os.path.join(directory, "model")
         save_model(model)
         configs = {"plain": ""}
+        if args.control:
+            configs["plain-2"] = ""
         if "ngram" in args.methods:
             configs["ngram"] = json.dumps(spec)
         if "draft_model" in args.methods:
