@@ -237,15 +237,17 @@ def test_lora_requests_speculate_and_match_without_speculation(
     from triollm.lora.request import LoRARequest
     from triollm.testing import build_lora_adapter
 
-    adapter = LoRARequest("a", 1, str(build_lora_adapter(llama_path, tmp_path / "a", seed=5)))
-    engine = {**ENGINE, "enable_lora": True, "max_loras": 1}
+    first = LoRARequest("a", 1, str(build_lora_adapter(llama_path, tmp_path / "a", seed=5)))
+    second = LoRARequest("b", 2, str(build_lora_adapter(llama_path, tmp_path / "b", seed=7)))
+    adapters = [first, second, None, first]  # two adapters and the base in one batch
+    engine = {**ENGINE, "enable_lora": True, "max_loras": 2}
     spec = (draft_spec(drafts["noisy-llama"]) if method == "draft_model" else
             {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
              "prompt_lookup_max": 3, "disable_by_batch_size": 8})
     plain = LLM(str(llama_path), **engine).generate(
-        token_prompts(), greedy(30), lora_request=adapter)
+        token_prompts(), greedy(30), lora_request=adapters)
     llm = LLM(str(llama_path), speculative_config=spec, **engine)
-    assert tokens_of(llm.generate(token_prompts(), greedy(30), lora_request=adapter)
+    assert tokens_of(llm.generate(token_prompts(), greedy(30), lora_request=adapters)
                      ) == tokens_of(plain)
     assert spec_counts(llm)[1] > 0
 
