@@ -8,6 +8,9 @@ release it while they encode, so a thread keeps the loop responsive. A long text
 encoded in a worker process instead (server/tokenizer_process.py): turning its tokens
 into Python objects and freeing them would hold the GIL in proportion to its length.
 Calls beyond the threads wait in a bounded queue; past it they are refused with a 503.
+A worker process's call is paced to its client's share of a core once past the client's
+allowance (server/worker_pace.py), and its time is charged to the client
+(server/client_budget.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from triollm.server.client_budget import charge_work
+from triollm.server.client_budget import charge_work, current_work
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import (
     LONG_TEXT_CHARS,
@@ -36,6 +39,7 @@ from triollm.server.limits import (
     PREFIX_MARGIN_TOKENS,
 )
 from triollm.server.tokenizer_process import TokenizerProcess
+from triollm.server.worker_pace import WorkerPace
 
 if TYPE_CHECKING:
     from triollm.engine.detokenizer import Tokenizer
@@ -62,6 +66,7 @@ class Offload:
         self._lock = threading.Lock()
         self._workers: list[TokenizerProcess] = []
         self._idle: list[TokenizerProcess] = []
+        self._pace = WorkerPace()
         # the processes end with this object (their stdin closes), or at exit
         weakref.finalize(self, _close_all, self._workers)
 
@@ -125,36 +130,63 @@ class Offload:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def _in_process(self, name: str, *args: object) -> tuple[int, bytes]:
-        """``name(*args)`` in a worker process; its time there is charged to the
-        request (server/client_budget.py)."""
+        """``name(*args)`` in a worker process, paced to the request's client's share
+        once past its allowance (server/worker_pace.py); its time there is charged to
+        the request (server/client_budget.py). A paced call gives up its place in the
+        pool: a slow client's call does not keep others' waiting."""
         self._check_queue(self._processes)
-        took = [0.0]
-        try:
-            answer: tuple[int, bytes] = await anyio.to_thread.run_sync(
-                self._call_process, took, name, *args, limiter=self._processes)
-            return answer
-        finally:
-            charge_work(took[0])
+        place = object()
+        await self._processes.acquire_on_behalf_of(place)
+        holding = True
 
-    def _call_process(self, took: list[float], name: str, *args: object) -> Any:
-        """``name(*args)`` in an idle worker process (a new one if none is idle); the
-        CPU seconds of the call there go to ``took[0]``."""
+        def give_up_place() -> None:
+            nonlocal holding
+            if holding:
+                holding = False
+                self._processes.release_on_behalf_of(place)
+
+        try:
+            worker = await anyio.to_thread.run_sync(self._take_worker)
+            try:
+                return await self._paced_call(worker, name, *args, on_paced=give_up_place)
+            finally:
+                charge_work(worker.last_call_seconds)
+                self._give_back(worker)
+        finally:
+            give_up_place()
+
+    async def _paced_call(self, worker: TokenizerProcess, name: str, *args: object,
+                          on_paced: Callable[[], None]) -> Any:
+        outcome: list[Any] = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._pace.pace, worker.pid, current_work(), on_paced)
+            try:
+                outcome.append(await anyio.to_thread.run_sync(worker.call, name, *args))
+            except Exception as error:  # raised below, outside the task group
+                outcome.append(error)
+            group.cancel_scope.cancel()
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
+
+    def _take_worker(self) -> TokenizerProcess:
+        """An idle worker process (a new one if none is idle)."""
         with self._lock:
-            worker = self._idle.pop() if self._idle else None
-        if worker is None:
+            if self._idle:
+                return self._idle.pop()
             if self._pickled is None:
                 self._pickled = pickle.dumps(self.tokenizer)
-            worker = TokenizerProcess(self._pickled)
+        worker = TokenizerProcess(self._pickled)
+        with self._lock:
             self._workers.append(worker)
-        try:
-            return worker.call(name, *args)
-        finally:
-            took[0] = worker.last_call_seconds
-            with self._lock:
-                if worker.broken:
-                    self._workers.remove(worker)
-                else:
-                    self._idle.append(worker)
+        return worker
+
+    def _give_back(self, worker: TokenizerProcess) -> None:
+        with self._lock:
+            if worker.broken:
+                self._workers.remove(worker)
+            else:
+                self._idle.append(worker)
 
     def _check_queue(self, limiter: anyio.CapacityLimiter) -> None:
         if limiter.statistics().tasks_waiting >= self._max_waiting:

@@ -89,13 +89,17 @@ _CALLS: dict[str, Callable[..., tuple[int, bytes]]] = {
     "apply_chat_template": apply_chat_template, "check_body": check_body}
 
 
+_READY = "ready"
+
+
 class CallFailed(RuntimeError):
     """The call raised in the worker (the process itself is fine)."""
 
 
 class TokenizerProcess:
     """One worker process holding a copy of the server's tokenizer (sent pickled at
-    start). One call at a time; a broken process raises ``RuntimeError`` and is done.
+    start; the constructor returns once the process has loaded it). One call at a time;
+    a broken process raises ``RuntimeError`` and is done.
     ``last_call_seconds``: the CPU time the last call took in the process."""
 
     def __init__(self, pickled_tokenizer: bytes) -> None:
@@ -105,7 +109,21 @@ class TokenizerProcess:
         self._process = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.broken = False
-        self._send(pickled_tokenizer)
+        # started before the first call: a call's time (paced, charged) is its own
+        try:
+            self._send(pickled_tokenizer)
+            assert self._process.stdout is not None
+            ready = pickle.load(self._process.stdout)
+        except (OSError, EOFError, pickle.UnpicklingError) as error:
+            self.close()
+            raise RuntimeError(f"the tokenizer process did not start: {error!r}") from error
+        if ready != _READY:
+            self.close()
+            raise RuntimeError(f"the tokenizer process did not start: {ready!r}")
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
 
     def _send(self, message: object) -> None:
         stdin = self._process.stdin
@@ -145,6 +163,8 @@ class TokenizerProcess:
 
 def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     tokenizer = pickle.loads(pickle.load(stdin))  # the server's own, pickled by it
+    pickle.dump(_READY, stdout)
+    stdout.flush()
     while True:
         try:
             name, args = pickle.load(stdin)

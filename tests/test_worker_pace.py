@@ -1,0 +1,127 @@
+"""A worker process's call past its client's allowance runs at the client's share of a
+core (server/worker_pace.py): measured on real busy processes, one or two of a client's
+at once, and through ``Offload``, whose paced call leaves its place in the pool to
+others. A pace that ends leaves its process running."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import anyio
+import pytest
+
+from triollm.server.client_budget import ALLOWANCE_SECONDS, ClientBudget, RequestWork, track_work
+from triollm.server.offload import Offload
+from triollm.server.worker_pace import WorkerPace
+from triollm.testing import train_test_tokenizer
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"),
+                                reason="reads a process's CPU time from /proc")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.fixture
+def busy() -> Iterator[list[int]]:
+    """Two processes that compute for ever."""
+    processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                 for _ in range(2)]
+    yield [process.pid for process in processes]
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def past_allowance(share: float) -> RequestWork:
+    budget = ClientBudget(share)
+    budget.charge("a", share * ALLOWANCE_SECONDS)
+    return RequestWork(budget=budget, client="a")
+
+
+async def pace_for(pace: WorkerPace, seconds: float, *calls: tuple[int, RequestWork]
+                   ) -> list[float]:
+    """Pace each (pid, work) for ``seconds``; the CPU each process used meanwhile."""
+    before = [cpu_seconds(pid) for pid, _ in calls]
+    with anyio.move_on_after(seconds):
+        async with anyio.create_task_group() as group:
+            for pid, work in calls:
+                group.start_soon(pace.pace, pid, work)
+    return [cpu_seconds(pid) - used for (pid, _), used in zip(calls, before, strict=True)]
+
+
+@pytest.mark.anyio
+async def test_a_call_past_its_allowance_runs_at_its_clients_share(busy: list[int]) -> None:
+    work = past_allowance(0.2)
+    [used] = await pace_for(WorkerPace(), 2.0, (busy[0], work))
+    assert used < 0.2 * 2.0 + 0.15
+    assert work.paced_seconds == pytest.approx(used, abs=0.2)
+    assert state(busy[0]) != "T"  # left running
+    before = cpu_seconds(busy[0])
+    await anyio.sleep(0.5)
+    assert cpu_seconds(busy[0]) - before > 0.1
+
+
+@pytest.mark.anyio
+async def test_a_clients_calls_at_once_share_its_share(busy: list[int]) -> None:
+    budget = ClientBudget(0.2)
+    budget.charge("a", 0.2 * ALLOWANCE_SECONDS)
+    calls = [(pid, RequestWork(budget=budget, client="a")) for pid in busy]
+    used = await pace_for(WorkerPace(), 2.0, *calls)
+    assert sum(used) < 0.2 * 2.0 + 0.15
+    assert all(state(pid) != "T" for pid in busy)
+
+
+@pytest.mark.anyio
+async def test_a_call_within_its_allowance_runs_at_full_speed_for_what_is_left(
+        busy: list[int]) -> None:
+    """A client that owes nothing has the allowance's CPU (2 s at 0.25 of a core: 0.5 s)
+    at full speed, then its share."""
+    work = RequestWork(budget=ClientBudget(0.25), client="b")
+    [used] = await pace_for(WorkerPace(), 1.5, (busy[0], work))
+    assert used > 0.3  # it ran freely for a while (another test may share the core)
+    assert used < 0.5 + 0.25 * 1.0 + 0.15
+
+
+@pytest.mark.anyio
+async def test_outside_a_request_nothing_is_paced(busy: list[int]) -> None:
+    with anyio.fail_after(1):
+        await WorkerPace().pace(busy[0], None)
+        await WorkerPace().pace(busy[0], RequestWork())
+
+
+@pytest.mark.anyio
+async def test_a_paced_call_leaves_its_place_in_the_pool_to_others() -> None:
+    """With one worker process, a slow client's long text paced at a tenth of a core
+    does not keep another request's long text waiting behind it."""
+    offload = Offload(train_test_tokenizer(), processes=1, long_text=1000)
+    slow = past_allowance(0.1)
+    long_text = "hello world " * 40_000
+    finished: list[str] = []
+
+    async def encode(name: str, work: RequestWork | None, text: str) -> None:
+        if work is not None:
+            track_work(work)
+        await offload.encode_json(text, False)
+        finished.append(name)
+
+    with anyio.fail_after(120):
+        await offload.encode_json("warm " * 300, False)  # the process is started
+        async with anyio.create_task_group() as group:
+            group.start_soon(encode, "slow", slow, long_text)
+            await anyio.sleep(0.2)
+            group.start_soon(encode, "other", None, "hello " * 300)
+    assert finished == ["other", "slow"]
+    assert slow.paced_seconds > 0
+    assert slow.worker_seconds > 0
