@@ -287,7 +287,7 @@ def run_phase(url: str, options: argparse.Namespace,
     phase.others_cores = sampler.others_cores()
     phase.server_cores = (tree_cpu_seconds(server_pid) - server_cpu) / phase.seconds
     if hostile_process is not None:
-        phase.hostile = counts.get(timeout=120)  # after a request still in flight
+        phase.hostile = counts.get(timeout=330)  # after a request still in flight (paced)
         phase.hostile_cores = phase.hostile.pop("cpu_ms") / 1000 / phase.seconds
         hostile_process.join(30)
     return phase

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import anyio
@@ -125,3 +126,52 @@ async def test_a_paced_call_leaves_its_place_in_the_pool_to_others() -> None:
     assert finished == ["other", "slow"]
     assert slow.paced_seconds > 0
     assert slow.worker_seconds > 0
+
+
+@pytest.mark.anyio
+async def test_a_paced_tokenizer_process_gets_its_share_while_every_core_is_busy(
+        busy: list[int]) -> None:
+    """Paced, the worker is what holds it back: beside processes that keep every core
+    busy (as the model does), it still gets about its share of one (a worker at a lower
+    priority would get next to nothing in its slices)."""
+    offload = Offload(train_test_tokenizer(), long_text=1000)
+    with anyio.fail_after(60):
+        await offload.encode_json("warm " * 300, False)  # the process is started
+    [worker] = offload._workers
+    work = past_allowance(0.2)
+    track_work(work)
+    before = cpu_seconds(worker.pid)
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as group:
+            group.start_soon(offload.encode_json, "hello world " * 100_000, False)
+            await anyio.sleep(3.0)
+            used = cpu_seconds(worker.pid) - before
+            group.cancel_scope.cancel()  # the rest at full speed
+    assert 0.2 * 3.0 * 0.4 < used < 0.2 * 3.0 + 0.3
+
+
+def test_a_worker_stopped_when_its_server_dies_is_ended() -> None:
+    """A server killed while its worker is stopped leaves no stopped process behind:
+    the worker's own process group is orphaned, and the kernel hangs it up."""
+    script = (
+        "import os, pickle, signal, time\n"
+        "from triollm.server.tokenizer_process import TokenizerProcess\n"
+        "from triollm.testing import train_test_tokenizer\n"
+        "worker = TokenizerProcess(pickle.dumps(train_test_tokenizer()))\n"
+        "print(worker.pid, flush=True)\n"
+        "os.kill(worker.pid, signal.SIGSTOP)\n"
+        "time.sleep(0.2)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if state(pid) in ("Z", "X"):
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    raise AssertionError(f"the worker {pid} outlived its server, state {state(pid)}")

@@ -11,6 +11,13 @@ The parent side, ``TokenizerProcess``, is synchronous: a worker thread calls it 
 waits on the pipe. The child (this file run by the server's Python) reads
 pickled calls from stdin and writes pickled answers to stdout; it ends when its stdin
 closes, so it never outlives the server.
+
+It runs at the server's own priority: its work is what one client can make as large as
+it likes, and what keeps it from the model's cores is its pace (server/worker_pace.py),
+which stops and continues it so that it gets its client's share of one core. At a lower
+priority a paced process would get less than that while the model computes (under
+``SCHED_IDLE``, beside a 0.5B model on both cores, a paced 8 MB text made almost no
+progress in five minutes).
 """
 
 from __future__ import annotations
@@ -26,19 +33,8 @@ from array import array
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["WORKER_NICENESS", "CallFailed", "TokenizerProcess", "apply_chat_template", "check_body",
+__all__ = ["CallFailed", "TokenizerProcess", "apply_chat_template", "check_body",
            "encode_json", "encode_tail"]
-
-
-#: How much lower the worker's CPU priority is than the server's, where Linux's
-#: ``SCHED_IDLE`` policy is not available. Its work is what one client can make as large
-#: as it likes (a long text, its own template, a big body), so it runs at the lowest
-#: priority there is: under ``SCHED_IDLE`` only in time no other thread wants. A
-#: niceness is not enough: a niced worker still takes a core's slices from a model
-#: thread, whose partners then wait for it at every op's barrier (beside one niced
-#: worker encoding 8 MB, a 0.5B model computing on both cores of two made 0.48x of its
-#: tokens).
-WORKER_NICENESS = 10
 
 
 def encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, keep: int
@@ -104,10 +100,13 @@ class TokenizerProcess:
 
     def __init__(self, pickled_tokenizer: bytes) -> None:
         self.last_call_seconds = 0.0
-        # the file itself, not the package (whose import the child has no use for);
-        # -P: its folder is not put on sys.path
+        # the file itself, not the package (whose import the child has no use for).
+        # -P: its folder is not put on sys.path. A process group of its own: should the
+        # server die while the process is stopped (server/worker_pace.py), the group is
+        # then orphaned, and the kernel continues it with a SIGHUP that ends it.
         self._process = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         process_group=0 if os.name == "posix" else None)
         self.broken = False
         # started before the first call: a call's time (paced, charged) is its own
         try:
@@ -181,15 +180,5 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
         stdout.flush()
 
 
-def _lower_priority() -> None:
-    os.nice(WORKER_NICENESS)
-    if hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:  # a sandbox that forbids it: the niceness still applies
-            pass
-
-
 if __name__ == "__main__":
-    _lower_priority()
     _serve(sys.stdin.buffer, sys.stdout.buffer)
