@@ -138,16 +138,20 @@ async def test_a_paced_tokenizer_process_gets_its_share_while_every_core_is_busy
     with anyio.fail_after(60):
         await offload.encode_json("warm " * 300, False)  # the process is started
     [worker] = offload._workers
-    work = past_allowance(0.2)
-    track_work(work)
+
+    async def encode() -> None:
+        track_work(past_allowance(0.2))  # in this task's own context
+        await offload.encode_json("hello world " * 100_000, False)
+
     before = cpu_seconds(worker.pid)
     with anyio.fail_after(120):
         async with anyio.create_task_group() as group:
-            group.start_soon(offload.encode_json, "hello world " * 100_000, False)
+            group.start_soon(encode)
             await anyio.sleep(3.0)
             used = cpu_seconds(worker.pid) - before
             group.cancel_scope.cancel()  # the rest at full speed
-    assert 0.2 * 3.0 * 0.4 < used < 0.2 * 3.0 + 0.3
+    # at least a fifth of the share, with other tests' processes on the cores too
+    assert 0.2 * 3.0 * 0.2 < used < 0.2 * 3.0 + 0.3
 
 
 def test_a_worker_stopped_when_its_server_dies_is_ended() -> None:

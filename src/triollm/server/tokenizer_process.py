@@ -16,8 +16,8 @@ It runs at the server's own priority: its work is what one client can make as la
 it likes, and what keeps it from the model's cores is its pace (server/worker_pace.py),
 which stops and continues it so that it gets its client's share of one core. At a lower
 priority a paced process would get less than that while the model computes (under
-``SCHED_IDLE``, beside a 0.5B model on both cores, a paced 8 MB text made almost no
-progress in five minutes).
+``SCHED_IDLE``, beside a 0.5B model on both cores, a paced 8 MB text that takes 8 s to
+encode had not finished after five minutes).
 """
 
 from __future__ import annotations
