@@ -142,10 +142,11 @@ def honest_client(url: str, model: str, max_tokens: int, stop: threading.Event,
                     phase.tpots.append((times[-1] - times[0]) / (tokens - 1))
 
 
-def request_loop(send: Callable[[httpx.Client], int]) -> Callable[[threading.Event, Phase],
-                                                                  None]:
+def request_loop(send: Callable[[httpx.Client], int], address: str
+                 ) -> Callable[[threading.Event, Phase], None]:
     def loop(stop: threading.Event, phase: Phase) -> None:
-        with httpx.Client(timeout=300) as client:
+        transport = httpx.HTTPTransport(local_address=address)
+        with httpx.Client(timeout=300, transport=transport) as client:
             while not stop.is_set():
                 try:
                     status = str(send(client))
@@ -155,11 +156,12 @@ def request_loop(send: Callable[[httpx.Client], int]) -> Callable[[threading.Eve
     return loop
 
 
-def slow_bodies(url: str, count: int) -> Callable[[threading.Event, Phase], None]:
+def slow_bodies(url: str, count: int, address: str
+                ) -> Callable[[threading.Event, Phase], None]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
 
     def connect() -> socket.socket:
-        connection = socket.create_connection((host, int(port)))
+        connection = socket.create_connection((host, int(port)), source_address=(address, 0))
         connection.setblocking(False)
         connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                            b"application/json\r\nContent-Length: 1000000\r\n\r\n")
@@ -194,6 +196,8 @@ def hostile_loops(url: str, model: str, options: argparse.Namespace
     chat = {"model": model, "max_tokens": 4, "chat_template": TEMPLATE,
             "messages": [{"role": "user", "content": "hi"}]}
 
+    address = options.hostile_address
+
     def post(path: str, body: dict[str, object]) -> Callable[[httpx.Client], int]:
         content = json.dumps(body).encode()  # once: the client's own CPU is not measured
         headers = {"content-type": "application/json"}
@@ -208,40 +212,59 @@ def hostile_loops(url: str, model: str, options: argparse.Namespace
                 pass
             return response.status_code
 
+    def looped(send: Callable[[httpx.Client], int]
+               ) -> Callable[[threading.Event, Phase], None]:
+        return request_loop(send, address)
+
     return {
-        "tokenize-8mb": request_loop(post("/tokenize", {"model": model, "prompt": prompt})),
-        "completions-8mb": request_loop(post("/v1/completions", {
+        "tokenize-8mb": looped(post("/tokenize", {"model": model, "prompt": prompt})),
+        "completions-8mb": looped(post("/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": 4})),
-        "chat-8mb": request_loop(post("/v1/chat/completions", {
+        "chat-8mb": looped(post("/v1/chat/completions", {
             "model": model, "max_tokens": 4,
             "messages": [{"role": "user", "content": prompt}]})),
-        "template": request_loop(post("/v1/chat/completions", chat)),
-        "template-trusted": request_loop(post("/v1/chat/completions", chat)),
-        "stop-300k": request_loop(post("/v1/completions", {
+        "template": looped(post("/v1/chat/completions", chat)),
+        "template-trusted": looped(post("/v1/chat/completions", chat)),
+        "stop-300k": looped(post("/v1/completions", {
             "model": model, "prompt": "the cat", "max_tokens": options.max_tokens,
             "ignore_eos": True, "stop": stops})),
-        "slow-body": slow_bodies(url, options.slow_connections),
-        "n-stream": request_loop(n_stream),
-        "health-flood": request_loop(lambda client: client.get(url + "/health").status_code),
+        "slow-body": slow_bodies(url, options.slow_connections, address),
+        "n-stream": looped(n_stream),
+        "health-flood": looped(lambda client: client.get(url + "/health").status_code),
     }
 
 
 FORK = multiprocessing.get_context("fork")
+#: How long after its phase a hostile request still in flight may run before its
+#: client leaves (and the server stops its work).
+CUT_AFTER_SECONDS = 2.0
 
 
 def _hostile_main(hostile: Callable[[threading.Event, Phase], None],
                   stop: multiprocessing.synchronize.Event,
                   counts: multiprocessing.Queue[dict[str, int]]) -> None:
-    phase, stopping = Phase(), threading.Event()
+    phase, stopping, reported = Phase(), threading.Event(), threading.Lock()
+
+    def report(cut: bool) -> None:
+        if reported.acquire(blocking=False):
+            if cut:
+                phase.hostile["cut"] = phase.hostile.get("cut", 0) + 1
+            times = os.times()
+            counts.put({**phase.hostile, "cpu_ms": int(1000 * (times.user + times.system))})
+            counts.close()
+            counts.join_thread()
 
     def relay() -> None:
         stop.wait()
         stopping.set()
+        time.sleep(CUT_AFTER_SECONDS)
+        # a request still in flight: the client leaves (its connections close with it)
+        report(cut=True)
+        os._exit(0)
 
     threading.Thread(target=relay, daemon=True).start()
     hostile(stopping, phase)
-    times = os.times()
-    counts.put({**phase.hostile, "cpu_ms": int(1000 * (times.user + times.system))})
+    report(cut=False)
 
 
 def tree_cpu_seconds(root: int) -> float:
@@ -287,7 +310,7 @@ def run_phase(url: str, options: argparse.Namespace,
     phase.others_cores = sampler.others_cores()
     phase.server_cores = (tree_cpu_seconds(server_pid) - server_cpu) / phase.seconds
     if hostile_process is not None:
-        phase.hostile = counts.get(timeout=330)  # after a request still in flight (paced)
+        phase.hostile = counts.get(timeout=60)
         phase.hostile_cores = phase.hostile.pop("cpu_ms") / 1000 / phase.seconds
         hostile_process.join(30)
     return phase
@@ -346,6 +369,9 @@ def main() -> None:
                         help="choices of the n-stream kind (default: 4)")
     parser.add_argument("--slow-connections", type=int, default=200,
                         help="connections of the slow-body kind (default: 200)")
+    parser.add_argument("--hostile-address", default="127.0.0.2",
+                        help="the loopback address the hostile client connects from, not "
+                             "the honest clients' 127.0.0.1 (default: 127.0.0.2)")
     parser.add_argument("serve_args", nargs="*",
                         help="more `triollm serve` flags, after --")
     options = parser.parse_args()

@@ -221,7 +221,8 @@ def test_a_trusted_request_templates_render_is_paced_and_the_next_completion_is_
                 "messages": [{"role": "user", "content": "hi"}]})
             assert reply.status_code == 200, reply.text
             took.append(time.perf_counter() - started)
-        assert took[-1] > 3 * took[1]
+        # each paced render runs for what the allowance has left, then at the share
+        assert sum(took[2:]) > 5 * took[1]
         budget = server.handle.client_budget
         assert budget is not None
         assert budget.behind("127.0.0.1") <= ALLOWANCE_SECONDS + 1.0

@@ -16,17 +16,20 @@ allowance (server/worker_pace.py), and its time is charged to the client
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import threading
 import weakref
 from array import array
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 
-from triollm.server.client_budget import charge_work, current_work
+from triollm.server.client_budget import ClientBudget, RequestWork, charge_work, current_work
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import (
     LONG_TEXT_CHARS,
@@ -133,7 +136,8 @@ class Offload:
         """``name(*args)`` in a worker process, paced to the request's client's share
         once past its allowance (server/worker_pace.py); its time there is charged to
         the request (server/client_budget.py). A paced call gives up its place in the
-        pool: a slow client's call does not keep others' waiting."""
+        pool: a slow client's call does not keep others' waiting. A cancelled caller
+        does not wait: the process is killed (its work has no one to answer)."""
         self._check_queue(self._processes)
         place = object()
         await self._processes.acquire_on_behalf_of(place)
@@ -145,29 +149,43 @@ class Offload:
                 holding = False
                 self._processes.release_on_behalf_of(place)
 
-        try:
-            worker = await anyio.to_thread.run_sync(self._take_worker)
+        def give_up_place_from_thread() -> None:
             try:
-                return await self._paced_call(worker, name, *args, on_paced=give_up_place)
-            finally:
-                charge_work(worker.last_call_seconds)
-                self._give_back(worker)
+                anyio.from_thread.run_sync(give_up_place)
+            except RuntimeError:  # the event loop is gone: nothing waits for the place
+                pass
+
+        abandoned = threading.Event()
+        took = [0.0]
+        try:
+            answer: tuple[int, bytes] = await anyio.to_thread.run_sync(
+                self._call_process, took, abandoned, current_work(),
+                give_up_place_from_thread, name, args, abandon_on_cancel=True)
+            return answer
+        except anyio.get_cancelled_exc_class():
+            abandoned.set()
+            raise
         finally:
+            charge_work(took[0])
             give_up_place()
 
-    async def _paced_call(self, worker: TokenizerProcess, name: str, *args: object,
-                          on_paced: Callable[[], None]) -> Any:
-        outcome: list[Any] = []
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._pace.pace, worker.pid, current_work(), on_paced)
-            try:
-                outcome.append(await anyio.to_thread.run_sync(worker.call, name, *args))
-            except Exception as error:  # raised below, outside the task group
-                outcome.append(error)
-            group.cancel_scope.cancel()
-        if isinstance(outcome[0], Exception):
-            raise outcome[0]
-        return outcome[0]
+    def _call_process(self, took: list[float], abandoned: threading.Event,
+                      work: RequestWork | None, on_paced: Callable[[], None], name: str,
+                      args: tuple[object, ...]) -> Any:
+        """``name(*args)`` in an idle worker process (a new one if none is idle), paced
+        for ``work``'s client; the CPU seconds of the call there go to ``took[0]``."""
+        worker = self._take_worker()
+        try:
+            wait = (partial(self._pace.wait, work=work, abandoned=abandoned,
+                            on_paced=on_paced) if os.name == "posix" else None)
+            return worker.call(name, *args, wait=wait)
+        finally:
+            took[0] = worker.last_call_seconds
+            if abandoned.is_set() and work is not None and work.budget is not None:
+                # the request's own accounting ended with it: its client pays here
+                _charge_from_thread(work.budget, work.client,
+                                    took[0] - work.paced_seconds)
+            self._give_back(worker)
 
     def _take_worker(self) -> TokenizerProcess:
         """An idle worker process (a new one if none is idle)."""
@@ -202,6 +220,14 @@ def prefix_chars(enough: int) -> int:
     """How many characters of a text ``tokens_at_least`` encodes to find ``enough``
     tokens."""
     return (enough + PREFIX_MARGIN_TOKENS) * PREFIX_CHARS_PER_TOKEN
+
+
+def _charge_from_thread(budget: ClientBudget, client: str, seconds: float) -> None:
+    if seconds > 0:
+        try:
+            anyio.from_thread.run_sync(budget.charge, client, seconds)
+        except RuntimeError:  # the event loop is gone, and the budget with it
+            pass
 
 
 def _close_all(workers: list[TokenizerProcess]) -> None:

@@ -26,6 +26,7 @@ import importlib.util
 import json
 import os
 import pickle
+import select
 import subprocess
 import sys
 import time
@@ -130,13 +131,26 @@ class TokenizerProcess:
         pickle.dump(message, stdin, protocol=pickle.HIGHEST_PROTOCOL)
         stdin.flush()
 
-    def call(self, name: str, *args: object) -> Any:
+    def call(self, name: str, *args: object,
+             wait: Callable[[int, Callable[[float], bool]], None] | None = None) -> Any:
         """``name(tokenizer, *args)`` in the process (``encode_tail``, ``encode_json``
-        or ``apply_chat_template``); ``CallFailed`` if it raised there."""
+        or ``apply_chat_template``); ``CallFailed`` if it raised there. ``wait``, if
+        given, is called with the process's pid and a function that waits up to so many
+        seconds for the answer to start (True once it has): it returns when it has
+        (server/worker_pace.py paces the process meanwhile); should it raise, the
+        process is killed and the call raises that."""
         self.last_call_seconds = 0.0  # a call that breaks the process reports none
         try:
             self._send((name, args))
             assert self._process.stdout is not None
+            if wait is not None:
+                started = _cpu_seconds(self.pid)
+                try:
+                    wait(self.pid, self._answer_started)
+                except BaseException:
+                    self.last_call_seconds = max(0.0, _cpu_seconds(self.pid) - started)
+                    self.kill()
+                    raise
             ok, value, self.last_call_seconds = pickle.load(self._process.stdout)
         except (OSError, EOFError, pickle.UnpicklingError) as error:
             self.close()
@@ -144,6 +158,16 @@ class TokenizerProcess:
         if not ok:
             raise CallFailed(f"the tokenizer failed: {value}")
         return value
+
+    def _answer_started(self, timeout: float) -> bool:
+        assert self._process.stdout is not None
+        return bool(select.select([self._process.stdout], [], [], timeout)[0])
+
+    def kill(self) -> None:
+        """End the process now, whatever it is doing."""
+        self.broken = True
+        self._process.kill()
+        self.close()
 
     def close(self) -> None:
         """End the process (it exits when its stdin closes)."""
@@ -158,6 +182,16 @@ class TokenizerProcess:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time process ``pid`` has used (0 where ``/proc`` cannot say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
