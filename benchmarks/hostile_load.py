@@ -21,8 +21,9 @@ baseline phases one more thread sends one kind of hostile request in a loop:
 
 Reported per phase: the honest clients' output tokens/s and p99 TPOT (per request:
 seconds from its first to its last event over its tokens after the first), each as a
-ratio to the baseline measured in the same run (the mean of the phases before and after
-the hostile ones), the p99 time to first token and the largest gap between two events
+ratio to the baselines on either side of it (a baseline phase runs before each hostile
+phase and after the last, so a drift of the machine's speed over the run stays out), the
+p99 time to first token and the largest gap between two events
 of an honest stream (a stalled event loop shows in one of these, or in throughput alone
 when the stall lands before a request's first event), the hostile requests' statuses,
 the CPU the hostile client itself and the server (with its worker processes) used, in
@@ -331,23 +332,25 @@ def report(name: str, phase: Phase, base: tuple[float, float] | None) -> None:
 
 def run_server_phases(options: argparse.Namespace, kinds: list[str], extra: list[str]
                       ) -> None:
+    """A baseline phase before each hostile phase and one after the last: each kind is
+    compared with the baselines on either side of it, so a drift of the machine's speed
+    over the run (seen at 19% between a run's first and last baselines) stays out."""
     with server(options.model, extra) as (url, process):
         loops = hostile_loops(url, options.model, options)
         run_phase(url, options, None, process.pid)  # warm-up
-        before = run_phase(url, options, None, process.pid)
-        report("baseline", before, None)
+        baselines = [run_phase(url, options, None, process.pid)]
+        report("baseline", baselines[-1], None)
         phases = {}
         for kind in kinds:
             phases[kind] = run_phase(url, options, loops[kind], process.pid)
             report(kind, phases[kind], None)
-        after = run_phase(url, options, None, process.pid)
-        report("baseline again", after, None)
-    base = (statistics.fmean([before.rate, after.rate]),
-            statistics.fmean([before.p99_tpot, after.p99_tpot]))
-    print(f"against the baselines' mean ({base[0]:.1f} tok/s, p99 TPOT "
-          f"{1000 * base[1]:.1f} ms):")
-    for kind, phase in phases.items():
-        report(kind, phase, base)
+            baselines.append(run_phase(url, options, None, process.pid))
+            report("baseline", baselines[-1], None)
+    print("against the baselines on either side:")
+    for index, (kind, phase) in enumerate(phases.items()):
+        around = baselines[index:index + 2]
+        report(kind, phase, (statistics.fmean(b.rate for b in around),
+                             statistics.fmean(b.p99_tpot for b in around)))
 
 
 def main() -> None:
