@@ -21,8 +21,9 @@ baseline phases one more thread sends one kind of hostile request in a loop:
 
 Reported per phase: the honest clients' output tokens/s and p99 TPOT (per request:
 seconds from its first to its last event over its tokens after the first), each as a
-ratio to the baseline measured in the same run (the mean of the phases before and after
-the hostile ones), the p99 time to first token and the largest gap between two events
+ratio to the baselines on either side of it (a baseline phase runs before each hostile
+phase and after the last, so a drift of the machine's speed over the run stays out), the
+p99 time to first token and the largest gap between two events
 of an honest stream (a stalled event loop shows in one of these, or in throughput alone
 when the stall lands before a request's first event), the hostile requests' statuses,
 the CPU the hostile client itself and the server (with its worker processes) used, in
@@ -142,10 +143,11 @@ def honest_client(url: str, model: str, max_tokens: int, stop: threading.Event,
                     phase.tpots.append((times[-1] - times[0]) / (tokens - 1))
 
 
-def request_loop(send: Callable[[httpx.Client], int]) -> Callable[[threading.Event, Phase],
-                                                                  None]:
+def request_loop(send: Callable[[httpx.Client], int], address: str
+                 ) -> Callable[[threading.Event, Phase], None]:
     def loop(stop: threading.Event, phase: Phase) -> None:
-        with httpx.Client(timeout=300) as client:
+        transport = httpx.HTTPTransport(local_address=address)
+        with httpx.Client(timeout=300, transport=transport) as client:
             while not stop.is_set():
                 try:
                     status = str(send(client))
@@ -155,11 +157,12 @@ def request_loop(send: Callable[[httpx.Client], int]) -> Callable[[threading.Eve
     return loop
 
 
-def slow_bodies(url: str, count: int) -> Callable[[threading.Event, Phase], None]:
+def slow_bodies(url: str, count: int, address: str
+                ) -> Callable[[threading.Event, Phase], None]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
 
     def connect() -> socket.socket:
-        connection = socket.create_connection((host, int(port)))
+        connection = socket.create_connection((host, int(port)), source_address=(address, 0))
         connection.setblocking(False)
         connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                            b"application/json\r\nContent-Length: 1000000\r\n\r\n")
@@ -194,6 +197,8 @@ def hostile_loops(url: str, model: str, options: argparse.Namespace
     chat = {"model": model, "max_tokens": 4, "chat_template": TEMPLATE,
             "messages": [{"role": "user", "content": "hi"}]}
 
+    address = options.hostile_address
+
     def post(path: str, body: dict[str, object]) -> Callable[[httpx.Client], int]:
         content = json.dumps(body).encode()  # once: the client's own CPU is not measured
         headers = {"content-type": "application/json"}
@@ -208,40 +213,59 @@ def hostile_loops(url: str, model: str, options: argparse.Namespace
                 pass
             return response.status_code
 
+    def looped(send: Callable[[httpx.Client], int]
+               ) -> Callable[[threading.Event, Phase], None]:
+        return request_loop(send, address)
+
     return {
-        "tokenize-8mb": request_loop(post("/tokenize", {"model": model, "prompt": prompt})),
-        "completions-8mb": request_loop(post("/v1/completions", {
+        "tokenize-8mb": looped(post("/tokenize", {"model": model, "prompt": prompt})),
+        "completions-8mb": looped(post("/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": 4})),
-        "chat-8mb": request_loop(post("/v1/chat/completions", {
+        "chat-8mb": looped(post("/v1/chat/completions", {
             "model": model, "max_tokens": 4,
             "messages": [{"role": "user", "content": prompt}]})),
-        "template": request_loop(post("/v1/chat/completions", chat)),
-        "template-trusted": request_loop(post("/v1/chat/completions", chat)),
-        "stop-300k": request_loop(post("/v1/completions", {
+        "template": looped(post("/v1/chat/completions", chat)),
+        "template-trusted": looped(post("/v1/chat/completions", chat)),
+        "stop-300k": looped(post("/v1/completions", {
             "model": model, "prompt": "the cat", "max_tokens": options.max_tokens,
             "ignore_eos": True, "stop": stops})),
-        "slow-body": slow_bodies(url, options.slow_connections),
-        "n-stream": request_loop(n_stream),
-        "health-flood": request_loop(lambda client: client.get(url + "/health").status_code),
+        "slow-body": slow_bodies(url, options.slow_connections, address),
+        "n-stream": looped(n_stream),
+        "health-flood": looped(lambda client: client.get(url + "/health").status_code),
     }
 
 
 FORK = multiprocessing.get_context("fork")
+#: How long after its phase a hostile request still in flight may run before its
+#: client leaves (and the server stops its work).
+CUT_AFTER_SECONDS = 2.0
 
 
 def _hostile_main(hostile: Callable[[threading.Event, Phase], None],
                   stop: multiprocessing.synchronize.Event,
                   counts: multiprocessing.Queue[dict[str, int]]) -> None:
-    phase, stopping = Phase(), threading.Event()
+    phase, stopping, reported = Phase(), threading.Event(), threading.Lock()
+
+    def report(cut: bool) -> None:
+        if reported.acquire(blocking=False):
+            if cut:
+                phase.hostile["cut"] = phase.hostile.get("cut", 0) + 1
+            times = os.times()
+            counts.put({**phase.hostile, "cpu_ms": int(1000 * (times.user + times.system))})
+            counts.close()
+            counts.join_thread()
 
     def relay() -> None:
         stop.wait()
         stopping.set()
+        time.sleep(CUT_AFTER_SECONDS)
+        # a request still in flight: the client leaves (its connections close with it)
+        report(cut=True)
+        os._exit(0)
 
     threading.Thread(target=relay, daemon=True).start()
     hostile(stopping, phase)
-    times = os.times()
-    counts.put({**phase.hostile, "cpu_ms": int(1000 * (times.user + times.system))})
+    report(cut=False)
 
 
 def tree_cpu_seconds(root: int) -> float:
@@ -287,7 +311,7 @@ def run_phase(url: str, options: argparse.Namespace,
     phase.others_cores = sampler.others_cores()
     phase.server_cores = (tree_cpu_seconds(server_pid) - server_cpu) / phase.seconds
     if hostile_process is not None:
-        phase.hostile = counts.get(timeout=120)  # after a request still in flight
+        phase.hostile = counts.get(timeout=60)
         phase.hostile_cores = phase.hostile.pop("cpu_ms") / 1000 / phase.seconds
         hostile_process.join(30)
     return phase
@@ -308,23 +332,25 @@ def report(name: str, phase: Phase, base: tuple[float, float] | None) -> None:
 
 def run_server_phases(options: argparse.Namespace, kinds: list[str], extra: list[str]
                       ) -> None:
+    """A baseline phase before each hostile phase and one after the last: each kind is
+    compared with the baselines on either side of it, so a drift of the machine's speed
+    over the run (seen at 19% between a run's first and last baselines) stays out."""
     with server(options.model, extra) as (url, process):
         loops = hostile_loops(url, options.model, options)
         run_phase(url, options, None, process.pid)  # warm-up
-        before = run_phase(url, options, None, process.pid)
-        report("baseline", before, None)
+        baselines = [run_phase(url, options, None, process.pid)]
+        report("baseline", baselines[-1], None)
         phases = {}
         for kind in kinds:
             phases[kind] = run_phase(url, options, loops[kind], process.pid)
             report(kind, phases[kind], None)
-        after = run_phase(url, options, None, process.pid)
-        report("baseline again", after, None)
-    base = (statistics.fmean([before.rate, after.rate]),
-            statistics.fmean([before.p99_tpot, after.p99_tpot]))
-    print(f"against the baselines' mean ({base[0]:.1f} tok/s, p99 TPOT "
-          f"{1000 * base[1]:.1f} ms):")
-    for kind, phase in phases.items():
-        report(kind, phase, base)
+            baselines.append(run_phase(url, options, None, process.pid))
+            report("baseline", baselines[-1], None)
+    print("against the baselines on either side:")
+    for index, (kind, phase) in enumerate(phases.items()):
+        around = baselines[index:index + 2]
+        report(kind, phase, (statistics.fmean(b.rate for b in around),
+                             statistics.fmean(b.p99_tpot for b in around)))
 
 
 def main() -> None:
@@ -346,6 +372,9 @@ def main() -> None:
                         help="choices of the n-stream kind (default: 4)")
     parser.add_argument("--slow-connections", type=int, default=200,
                         help="connections of the slow-body kind (default: 200)")
+    parser.add_argument("--hostile-address", default="127.0.0.2",
+                        help="the loopback address the hostile client connects from, not "
+                             "the honest clients' 127.0.0.1 (default: 127.0.0.2)")
     parser.add_argument("serve_args", nargs="*",
                         help="more `triollm serve` flags, after --")
     options = parser.parse_args()

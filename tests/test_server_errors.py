@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 import socket
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from server_helpers import ThreadedServer, server_in_thread
 from triollm import AsyncEngineArgs, AsyncLLMEngine
 from triollm.log_text import MAX_LOGGED_CHARS, clipped, clipped_names
 from triollm.server.body_text import LARGE_BODY_BYTES, body_problem, lone_surrogate_field
-from triollm.server.tokenizer_process import WORKER_NICENESS, TokenizerProcess
+from triollm.server.tokenizer_process import TokenizerProcess
 from triollm.testing import FakeModelRunner
 
 
@@ -205,19 +204,5 @@ def test_a_large_bodys_checks_run_in_the_tokenizer_process() -> None:
             "stop", "stop: at most 128 strings of 4096 characters in all; got 300 strings")
         assert body_problem(surrogate, 128, 4096) is not None
         assert body_problem(fine, 128, 4096) is None
-    finally:
-        worker.close()
-
-
-def test_the_tokenizer_process_yields_the_cpu_to_the_model() -> None:
-    """Its work is sized by clients, so it runs at the lowest priority there is."""
-    worker = TokenizerProcess(pickle.dumps(None))
-    try:
-        worker.call("check_body", b"{}", 128, 4096)  # the child has started and reniced
-        with open(f"/proc/{worker._process.pid}/stat") as stat:
-            child_nice = int(stat.read().rsplit(")", 1)[1].split()[16])
-        assert child_nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
-        # and it runs only in time no other thread wants (a niced one still takes slices)
-        assert os.sched_getscheduler(worker._process.pid) == os.SCHED_IDLE
     finally:
         worker.close()

@@ -135,7 +135,7 @@ class _Metered:
         #: Whether the body's last part arrived (or the client left).
         self.body_done = False
         self.started = False
-        self.work = RequestWork()
+        self.work = RequestWork(budget=budget, client=self.client)
         track_work(self.work)
 
     async def receive(self) -> Message:
@@ -158,7 +158,8 @@ class _Metered:
             return
         cost = estimated_cost(served_by_engine=served_by_engine(self.scope),
                               failed=status >= 400, body_bytes=self.body_bytes,
-                              worker_seconds=self.work.worker_seconds)
+                              worker_seconds=max(0.0, self.work.worker_seconds
+                                                 - self.work.paced_seconds))
         if cost <= 0:
             return
         hold = self.budget.charge(self.client, cost)

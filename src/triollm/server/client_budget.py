@@ -17,7 +17,8 @@ of a core. One answer's charge is capped at ``ONE_ANSWER_SECONDS`` of holding, a
 request that arrives while its address is further behind than one client in series can
 be (several connections at once) waits before its body is read. An answer the engine
 served with no worker time costs nothing here, so an honest client at the same address
-keeps its pace.
+keeps its pace. A worker call that runs past the client's allowance is paced to its
+share as it runs (server/worker_pace.py), and that time is not charged again.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 __all__ = ["ALLOWANCE_SECONDS", "BODY_SECONDS_PER_BYTE", "ONE_ANSWER_SECONDS",
            "REQUEST_SECONDS", "BudgetStatistics", "ClientBudget", "RequestWork",
-           "charge_work", "client_of", "estimated_cost", "note_engine_work",
+           "charge_work", "client_of", "current_work", "estimated_cost", "note_engine_work",
            "served_by_engine", "track_work"]
 
 #: Estimated server CPU seconds of one request (measured: 1.3-1.9 ms for /health,
@@ -120,9 +121,15 @@ class ClientBudget:
 
 @dataclass
 class RequestWork:
-    """What one request made the server's worker processes do, in seconds."""
+    """What one request made the server's worker processes do, in seconds, and whose
+    budget it is charged to."""
 
     worker_seconds: float = 0.0
+    #: Of those, the seconds its calls were paced to the client's share for
+    #: (server/worker_pace.py): paid for as they ran.
+    paced_seconds: float = 0.0
+    budget: ClientBudget | None = None
+    client: str = ""
 
 
 _current_work: ContextVar[RequestWork | None] = ContextVar("triollm_request_work",
@@ -132,6 +139,11 @@ _current_work: ContextVar[RequestWork | None] = ContextVar("triollm_request_work
 def track_work(work: RequestWork) -> None:
     """Make ``charge_work`` in this task (and those it starts) count into ``work``."""
     _current_work.set(work)
+
+
+def current_work() -> RequestWork | None:
+    """The request being served's ``RequestWork`` (None outside a tracked request)."""
+    return _current_work.get()
 
 
 def charge_work(seconds: float) -> None:

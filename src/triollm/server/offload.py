@@ -8,22 +8,28 @@ release it while they encode, so a thread keeps the loop responsive. A long text
 encoded in a worker process instead (server/tokenizer_process.py): turning its tokens
 into Python objects and freeing them would hold the GIL in proportion to its length.
 Calls beyond the threads wait in a bounded queue; past it they are refused with a 503.
+A worker process's call is paced to its client's share of a core once past the client's
+allowance (server/worker_pace.py), and its time is charged to the client
+(server/client_budget.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import threading
 import weakref
 from array import array
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 
-from triollm.server.client_budget import charge_work
+from triollm.server.client_budget import ClientBudget, RequestWork, charge_work, current_work
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import (
     LONG_TEXT_CHARS,
@@ -36,6 +42,7 @@ from triollm.server.limits import (
     PREFIX_MARGIN_TOKENS,
 )
 from triollm.server.tokenizer_process import TokenizerProcess
+from triollm.server.worker_pace import WorkerPace
 
 if TYPE_CHECKING:
     from triollm.engine.detokenizer import Tokenizer
@@ -62,6 +69,7 @@ class Offload:
         self._lock = threading.Lock()
         self._workers: list[TokenizerProcess] = []
         self._idle: list[TokenizerProcess] = []
+        self._pace = WorkerPace()
         # the processes end with this object (their stdin closes), or at exit
         weakref.finalize(self, _close_all, self._workers)
 
@@ -125,36 +133,78 @@ class Offload:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def _in_process(self, name: str, *args: object) -> tuple[int, bytes]:
-        """``name(*args)`` in a worker process; its time there is charged to the
-        request (server/client_budget.py)."""
+        """``name(*args)`` in a worker process, paced to the request's client's share
+        once past its allowance (server/worker_pace.py); its time there is charged to
+        the request (server/client_budget.py). A paced call gives up its place in the
+        pool: a slow client's call does not keep others' waiting. A cancelled caller
+        does not wait: the process is killed (its work has no one to answer)."""
         self._check_queue(self._processes)
+        place = object()
+        await self._processes.acquire_on_behalf_of(place)
+        holding = True
+
+        def give_up_place() -> None:
+            nonlocal holding
+            if holding:
+                holding = False
+                self._processes.release_on_behalf_of(place)
+
+        def give_up_place_from_thread() -> None:
+            try:
+                anyio.from_thread.run_sync(give_up_place)
+            except RuntimeError:  # the event loop is gone: nothing waits for the place
+                pass
+
+        abandoned = threading.Event()
         took = [0.0]
         try:
             answer: tuple[int, bytes] = await anyio.to_thread.run_sync(
-                self._call_process, took, name, *args, limiter=self._processes)
+                self._call_process, took, abandoned, current_work(),
+                give_up_place_from_thread, name, args, abandon_on_cancel=True)
             return answer
+        except anyio.get_cancelled_exc_class():
+            abandoned.set()
+            raise
         finally:
             charge_work(took[0])
+            give_up_place()
 
-    def _call_process(self, took: list[float], name: str, *args: object) -> Any:
-        """``name(*args)`` in an idle worker process (a new one if none is idle); the
-        CPU seconds of the call there go to ``took[0]``."""
-        with self._lock:
-            worker = self._idle.pop() if self._idle else None
-        if worker is None:
-            if self._pickled is None:
-                self._pickled = pickle.dumps(self.tokenizer)
-            worker = TokenizerProcess(self._pickled)
-            self._workers.append(worker)
+    def _call_process(self, took: list[float], abandoned: threading.Event,
+                      work: RequestWork | None, on_paced: Callable[[], None], name: str,
+                      args: tuple[object, ...]) -> Any:
+        """``name(*args)`` in an idle worker process (a new one if none is idle), paced
+        for ``work``'s client; the CPU seconds of the call there go to ``took[0]``."""
+        worker = self._take_worker()
         try:
-            return worker.call(name, *args)
+            wait = (partial(self._pace.wait, work=work, abandoned=abandoned,
+                            on_paced=on_paced) if os.name == "posix" else None)
+            return worker.call(name, *args, wait=wait)
         finally:
             took[0] = worker.last_call_seconds
-            with self._lock:
-                if worker.broken:
-                    self._workers.remove(worker)
-                else:
-                    self._idle.append(worker)
+            if abandoned.is_set() and work is not None and work.budget is not None:
+                # the request's own accounting ended with it: its client pays here
+                _charge_from_thread(work.budget, work.client,
+                                    took[0] - work.paced_seconds)
+            self._give_back(worker)
+
+    def _take_worker(self) -> TokenizerProcess:
+        """An idle worker process (a new one if none is idle)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            if self._pickled is None:
+                self._pickled = pickle.dumps(self.tokenizer)
+        worker = TokenizerProcess(self._pickled)
+        with self._lock:
+            self._workers.append(worker)
+        return worker
+
+    def _give_back(self, worker: TokenizerProcess) -> None:
+        with self._lock:
+            if worker.broken:
+                self._workers.remove(worker)
+            else:
+                self._idle.append(worker)
 
     def _check_queue(self, limiter: anyio.CapacityLimiter) -> None:
         if limiter.statistics().tasks_waiting >= self._max_waiting:
@@ -170,6 +220,14 @@ def prefix_chars(enough: int) -> int:
     """How many characters of a text ``tokens_at_least`` encodes to find ``enough``
     tokens."""
     return (enough + PREFIX_MARGIN_TOKENS) * PREFIX_CHARS_PER_TOKEN
+
+
+def _charge_from_thread(budget: ClientBudget, client: str, seconds: float) -> None:
+    if seconds > 0:
+        try:
+            anyio.from_thread.run_sync(budget.charge, client, seconds)
+        except RuntimeError:  # the event loop is gone, and the budget with it
+            pass
 
 
 def _close_all(workers: list[TokenizerProcess]) -> None:

@@ -11,6 +11,13 @@ The parent side, ``TokenizerProcess``, is synchronous: a worker thread calls it 
 waits on the pipe. The child (this file run by the server's Python) reads
 pickled calls from stdin and writes pickled answers to stdout; it ends when its stdin
 closes, so it never outlives the server.
+
+It runs at the server's own priority: its work is what one client can make as large as
+it likes, and what keeps it from the model's cores is its pace (server/worker_pace.py),
+which stops and continues it so that it gets its client's share of one core. At a lower
+priority a paced process would get less than that while the model computes (under
+``SCHED_IDLE``, beside a 0.5B model on both cores, a paced 8 MB text that takes 8 s to
+encode had not finished after five minutes).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import importlib.util
 import json
 import os
 import pickle
+import select
 import subprocess
 import sys
 import time
@@ -26,19 +34,8 @@ from array import array
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["WORKER_NICENESS", "CallFailed", "TokenizerProcess", "apply_chat_template", "check_body",
+__all__ = ["CallFailed", "TokenizerProcess", "apply_chat_template", "check_body",
            "encode_json", "encode_tail"]
-
-
-#: How much lower the worker's CPU priority is than the server's, where Linux's
-#: ``SCHED_IDLE`` policy is not available. Its work is what one client can make as large
-#: as it likes (a long text, its own template, a big body), so it runs at the lowest
-#: priority there is: under ``SCHED_IDLE`` only in time no other thread wants. A
-#: niceness is not enough: a niced worker still takes a core's slices from a model
-#: thread, whose partners then wait for it at every op's barrier (beside one niced
-#: worker encoding 8 MB, a 0.5B model computing on both cores of two made 0.48x of its
-#: tokens).
-WORKER_NICENESS = 10
 
 
 def encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, keep: int
@@ -89,23 +86,44 @@ _CALLS: dict[str, Callable[..., tuple[int, bytes]]] = {
     "apply_chat_template": apply_chat_template, "check_body": check_body}
 
 
+_READY = "ready"
+
+
 class CallFailed(RuntimeError):
     """The call raised in the worker (the process itself is fine)."""
 
 
 class TokenizerProcess:
     """One worker process holding a copy of the server's tokenizer (sent pickled at
-    start). One call at a time; a broken process raises ``RuntimeError`` and is done.
+    start; the constructor returns once the process has loaded it). One call at a time;
+    a broken process raises ``RuntimeError`` and is done.
     ``last_call_seconds``: the CPU time the last call took in the process."""
 
     def __init__(self, pickled_tokenizer: bytes) -> None:
         self.last_call_seconds = 0.0
-        # the file itself, not the package (whose import the child has no use for);
-        # -P: its folder is not put on sys.path
+        # the file itself, not the package (whose import the child has no use for).
+        # -P: its folder is not put on sys.path. A process group of its own: should the
+        # server die while the process is stopped (server/worker_pace.py), the group is
+        # then orphaned, and the kernel continues it with a SIGHUP that ends it.
         self._process = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         process_group=0 if os.name == "posix" else None)
         self.broken = False
-        self._send(pickled_tokenizer)
+        # started before the first call: a call's time (paced, charged) is its own
+        try:
+            self._send(pickled_tokenizer)
+            assert self._process.stdout is not None
+            ready = pickle.load(self._process.stdout)
+        except (OSError, EOFError, pickle.UnpicklingError) as error:
+            self.close()
+            raise RuntimeError(f"the tokenizer process did not start: {error!r}") from error
+        if ready != _READY:
+            self.close()
+            raise RuntimeError(f"the tokenizer process did not start: {ready!r}")
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
 
     def _send(self, message: object) -> None:
         stdin = self._process.stdin
@@ -113,13 +131,26 @@ class TokenizerProcess:
         pickle.dump(message, stdin, protocol=pickle.HIGHEST_PROTOCOL)
         stdin.flush()
 
-    def call(self, name: str, *args: object) -> Any:
+    def call(self, name: str, *args: object,
+             wait: Callable[[int, Callable[[float], bool]], None] | None = None) -> Any:
         """``name(tokenizer, *args)`` in the process (``encode_tail``, ``encode_json``
-        or ``apply_chat_template``); ``CallFailed`` if it raised there."""
+        or ``apply_chat_template``); ``CallFailed`` if it raised there. ``wait``, if
+        given, is called with the process's pid and a function that waits up to so many
+        seconds for the answer to start (True once it has): it returns when it has
+        (server/worker_pace.py paces the process meanwhile); should it raise, the
+        process is killed and the call raises that."""
         self.last_call_seconds = 0.0  # a call that breaks the process reports none
         try:
             self._send((name, args))
             assert self._process.stdout is not None
+            if wait is not None:
+                started = _cpu_seconds(self.pid)
+                try:
+                    wait(self.pid, self._answer_started)
+                except BaseException:
+                    self.last_call_seconds = max(0.0, _cpu_seconds(self.pid) - started)
+                    self.kill()
+                    raise
             ok, value, self.last_call_seconds = pickle.load(self._process.stdout)
         except (OSError, EOFError, pickle.UnpicklingError) as error:
             self.close()
@@ -127,6 +158,16 @@ class TokenizerProcess:
         if not ok:
             raise CallFailed(f"the tokenizer failed: {value}")
         return value
+
+    def _answer_started(self, timeout: float) -> bool:
+        assert self._process.stdout is not None
+        return bool(select.select([self._process.stdout], [], [], timeout)[0])
+
+    def kill(self) -> None:
+        """End the process now, whatever it is doing."""
+        self.broken = True
+        self._process.kill()
+        self.close()
 
     def close(self) -> None:
         """End the process (it exits when its stdin closes)."""
@@ -143,8 +184,20 @@ class TokenizerProcess:
             self._process.wait()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time process ``pid`` has used (0 where ``/proc`` cannot say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     tokenizer = pickle.loads(pickle.load(stdin))  # the server's own, pickled by it
+    pickle.dump(_READY, stdout)
+    stdout.flush()
     while True:
         try:
             name, args = pickle.load(stdin)
@@ -161,15 +214,5 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
         stdout.flush()
 
 
-def _lower_priority() -> None:
-    os.nice(WORKER_NICENESS)
-    if hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:  # a sandbox that forbids it: the niceness still applies
-            pass
-
-
 if __name__ == "__main__":
-    _lower_priority()
     _serve(sys.stdin.buffer, sys.stdout.buffer)
