@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import anyio
 import pytest
@@ -243,3 +244,63 @@ def test_a_worker_stopped_when_its_server_dies_is_ended() -> None:
         time.sleep(0.1)
     os.kill(pid, 9)
     raise AssertionError(f"the worker {pid} outlived its server, state {state(pid)}")
+
+
+@pytest.mark.anyio
+async def test_a_clients_calls_beyond_its_turns_wait_and_nothing_is_left_after_cancel(
+        ) -> None:
+    """A client's third long text at once waits for one of its two turns (paced calls
+    give up their pool places, so without turns one client could start a process per
+    connection); cancelled, every call ends and no turn or paced call is left over."""
+    from triollm.server.limits import MOST_CALLS_PER_CLIENT
+
+    offload = Offload(train_test_tokenizer(), processes=4, long_text=1000)
+    work = past_allowance(0.02)
+
+    async def encode() -> None:
+        track_work(work)
+        await offload.encode_json("hello world " * 400_000, False)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            for _ in range(MOST_CALLS_PER_CLIENT + 1):
+                group.start_soon(encode)
+            await anyio.sleep(3.0)  # long enough for processes to start and be paced
+            assert offload._turns["a"].users == MOST_CALLS_PER_CLIENT + 1
+            assert offload._pace.paced_now == MOST_CALLS_PER_CLIENT
+            group.cancel_scope.cancel()
+    assert offload._turns == {}
+    for _ in range(100):  # the calls' threads end their processes as they notice
+        if not offload._pace.paced_now and all(w.broken for w in offload._workers):
+            break
+        await anyio.sleep(0.05)
+    assert offload._pace.paced_now == 0
+
+
+def test_a_call_is_waited_for_on_a_pipe_past_selects_limit() -> None:
+    """With the server's descriptors past 1023 (a thousand connections open), waiting
+    for a worker's answer still works (``select`` cannot watch such a descriptor)."""
+    import pickle
+    import resource
+
+    from triollm.server.tokenizer_process import TokenizerProcess
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("cannot open 1200 files here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        worker = TokenizerProcess(pickle.dumps(train_test_tokenizer()))
+        try:
+            assert worker._process.stdout is not None
+            assert worker._process.stdout.fileno() > 1023
+            wait = partial(WorkerPace().wait, work=None, abandoned=threading.Event())
+            count, _ = worker.call("encode_json", "hello world " * 100, False, wait=wait)
+            assert count > 0
+        finally:
+            worker.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

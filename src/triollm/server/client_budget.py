@@ -23,6 +23,7 @@ share as it runs (server/worker_pace.py), and that time is not charged again.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, MutableMapping
 from contextvars import ContextVar
@@ -74,6 +75,7 @@ class ClientBudget:
             raise ValueError(f"share: expected a fraction of a core above 0, got {share}")
         self.share = share
         self._clock = clock
+        self._lock = threading.Lock()
         #: Per address, the time at which its answers so far are paid for.
         self._paid_until: dict[str, float] = {}
         self._prune_at = _PRUNE_AT
@@ -82,7 +84,12 @@ class ClientBudget:
 
     def charge(self, client: str, cpu_seconds: float) -> float:
         """Charge ``client`` one answer's ``cpu_seconds``; returns the seconds its start
-        is to be held (0 within the allowance)."""
+        is to be held (0 within the allowance). Thread-safe: a worker thread charges the
+        work of a call its request abandoned."""
+        with self._lock:
+            return self._charge(client, cpu_seconds)
+
+    def _charge(self, client: str, cpu_seconds: float) -> float:
         now = self._clock()
         owed = min(cpu_seconds / self.share, ONE_ANSWER_SECONDS)
         paid_until = min(max(now, self._paid_until.get(client, now)) + owed,
@@ -99,7 +106,8 @@ class ClientBudget:
 
     def behind(self, client: str) -> float:
         """Seconds until ``client``'s answers so far are paid for at its share."""
-        return max(0.0, self._paid_until.get(client, 0.0) - self._clock())
+        with self._lock:
+            return max(0.0, self._paid_until.get(client, 0.0) - self._clock())
 
     def start_wait(self, client: str) -> float:
         """Seconds a new request from ``client`` waits before it is read: how far its

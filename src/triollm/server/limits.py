@@ -9,7 +9,8 @@ __all__ = ["DEFAULT_BACKLOG", "DEFAULT_BODY_READ_TIMEOUT", "DEFAULT_CLIENT_CPU_S
            "DEFAULT_KEEP_ALIVE_TIMEOUT", "DEFAULT_LIMIT_CONCURRENCY",
            "DEFAULT_MAX_LOGPROB_ENTRIES", "DEFAULT_MAX_REQUEST_BODY_BYTES",
            "LONG_TEXT_CHARS", "MAX_N", "MAX_OFFLOAD_WAITING", "MAX_STRING_LIST_CHARS",
-           "MAX_STRING_LIST_ITEMS", "OFFLOAD_PROCESSES", "OFFLOAD_THREADS"]
+           "MAX_STRING_LIST_ITEMS", "MOST_CALLS_PER_CLIENT", "OFFLOAD_PROCESSES",
+           "OFFLOAD_THREADS"]
 
 #: OpenAI's own limit on ``n`` (choices per prompt).
 MAX_N = 128
@@ -22,6 +23,10 @@ DEFAULT_MAX_LOGPROB_ENTRIES = 2**20
 OFFLOAD_THREADS = 4
 #: Worker processes that encode long texts, and what a long text is (characters).
 OFFLOAD_PROCESSES = 2
+#: A client address's calls in worker processes at once (more wait their turn): paced
+#: calls give up their places in the pool, so this is what keeps one client's many
+#: connections from taking every place or starting a process each.
+MOST_CALLS_PER_CLIENT = 2
 LONG_TEXT_CHARS = 2**18
 #: A long prompt that a model's context cannot hold is refused from its first
 #: ``(max_model_len + PREFIX_MARGIN_TOKENS) * PREFIX_CHARS_PER_TOKEN`` characters alone

@@ -21,7 +21,9 @@ import pickle
 import threading
 import weakref
 from array import array
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -29,20 +31,21 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-from triollm.server.client_budget import ClientBudget, RequestWork, charge_work, current_work
+from triollm.server.client_budget import RequestWork, charge_work, current_work
 from triollm.server.errors import OpenAIError
 from triollm.server.limits import (
     LONG_TEXT_CHARS,
     MAX_OFFLOAD_WAITING,
     MAX_STRING_LIST_CHARS,
     MAX_STRING_LIST_ITEMS,
+    MOST_CALLS_PER_CLIENT,
     OFFLOAD_PROCESSES,
     OFFLOAD_THREADS,
     PREFIX_CHARS_PER_TOKEN,
     PREFIX_MARGIN_TOKENS,
 )
 from triollm.server.tokenizer_process import TokenizerProcess
-from triollm.server.worker_pace import WorkerPace
+from triollm.server.worker_pace import CallAbandoned, WorkerPace
 
 if TYPE_CHECKING:
     from triollm.engine.detokenizer import Tokenizer
@@ -70,6 +73,7 @@ class Offload:
         self._workers: list[TokenizerProcess] = []
         self._idle: list[TokenizerProcess] = []
         self._pace = WorkerPace()
+        self._turns: dict[str, _Turns] = {}
         # the processes end with this object (their stdin closes), or at exit
         weakref.finalize(self, _close_all, self._workers)
 
@@ -136,9 +140,36 @@ class Offload:
         """``name(*args)`` in a worker process, paced to the request's client's share
         once past its allowance (server/worker_pace.py); its time there is charged to
         the request (server/client_budget.py). A paced call gives up its place in the
-        pool: a slow client's call does not keep others' waiting. A cancelled caller
+        pool: a slow client's call does not keep others' waiting, and a client has at most
+        ``MOST_CALLS_PER_CLIENT`` calls in worker processes at once. A cancelled caller
         does not wait: the process is killed (its work has no one to answer)."""
         self._check_queue(self._processes)
+        work = current_work()
+        client = work.client if work is not None and work.budget is not None else None
+        async with self._client_turn(client):
+            return await self._in_pool(work, name, *args)
+
+    @asynccontextmanager
+    async def _client_turn(self, client: str | None) -> AsyncIterator[None]:
+        """One of ``MOST_CALLS_PER_CLIENT`` turns of ``client``'s in worker processes: a
+        client's further calls wait here, not for (or in) the pool's places."""
+        if client is None:
+            yield
+            return
+        turns = self._turns.get(client)
+        if turns is None:
+            turns = self._turns[client] = _Turns(anyio.Semaphore(MOST_CALLS_PER_CLIENT))
+        turns.users += 1
+        try:
+            async with turns.semaphore:
+                yield
+        finally:
+            turns.users -= 1
+            if not turns.users:
+                del self._turns[client]
+
+    async def _in_pool(self, work: RequestWork | None, name: str, *args: object
+                       ) -> tuple[int, bytes]:
         place = object()
         await self._processes.acquire_on_behalf_of(place)
         holding = True
@@ -159,7 +190,7 @@ class Offload:
         took = [0.0]
         try:
             answer: tuple[int, bytes] = await anyio.to_thread.run_sync(
-                self._call_process, took, abandoned, current_work(),
+                self._call_process, took, abandoned, work,
                 give_up_place_from_thread, name, args, abandon_on_cancel=True)
             return answer
         except anyio.get_cancelled_exc_class():
@@ -175,16 +206,19 @@ class Offload:
         """``name(*args)`` in an idle worker process (a new one if none is idle), paced
         for ``work``'s client; the CPU seconds of the call there go to ``took[0]``."""
         worker = self._take_worker()
+        if abandoned.is_set():  # given up while a process was found: it stays idle
+            self._give_back(worker)
+            raise CallAbandoned
         try:
             wait = (partial(self._pace.wait, work=work, abandoned=abandoned,
                             on_paced=on_paced) if os.name == "posix" else None)
             return worker.call(name, *args, wait=wait)
         finally:
             took[0] = worker.last_call_seconds
-            if abandoned.is_set() and work is not None and work.budget is not None:
+            if (abandoned.is_set() and work is not None and work.budget is not None
+                    and took[0] > work.paced_seconds):
                 # the request's own accounting ended with it: its client pays here
-                _charge_from_thread(work.budget, work.client,
-                                    took[0] - work.paced_seconds)
+                work.budget.charge(work.client, took[0] - work.paced_seconds)
             self._give_back(worker)
 
     def _take_worker(self) -> TokenizerProcess:
@@ -222,12 +256,11 @@ def prefix_chars(enough: int) -> int:
     return (enough + PREFIX_MARGIN_TOKENS) * PREFIX_CHARS_PER_TOKEN
 
 
-def _charge_from_thread(budget: ClientBudget, client: str, seconds: float) -> None:
-    if seconds > 0:
-        try:
-            anyio.from_thread.run_sync(budget.charge, client, seconds)
-        except RuntimeError:  # the event loop is gone, and the budget with it
-            pass
+@dataclass
+class _Turns:
+    semaphore: anyio.Semaphore
+    #: Calls holding or waiting for a turn.
+    users: int = 0
 
 
 def _close_all(workers: list[TokenizerProcess]) -> None:

@@ -34,7 +34,7 @@ from array import array
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["CallFailed", "TokenizerProcess", "apply_chat_template", "check_body",
+__all__ = ["CallFailed", "TokenizerProcess", "apply_chat_template", "check_body", "cpu_seconds",
            "encode_json", "encode_tail"]
 
 
@@ -144,11 +144,11 @@ class TokenizerProcess:
             self._send((name, args))
             assert self._process.stdout is not None
             if wait is not None:
-                started = _cpu_seconds(self.pid)
+                started = cpu_seconds(self.pid)
                 try:
                     wait(self.pid, self._answer_started)
                 except BaseException:
-                    self.last_call_seconds = max(0.0, _cpu_seconds(self.pid) - started)
+                    self.last_call_seconds = max(0.0, cpu_seconds(self.pid) - started)
                     self.kill()
                     raise
             ok, value, self.last_call_seconds = pickle.load(self._process.stdout)
@@ -160,8 +160,11 @@ class TokenizerProcess:
         return value
 
     def _answer_started(self, timeout: float) -> bool:
+        # poll, not select: the pipe's descriptor may be past select's 1023
         assert self._process.stdout is not None
-        return bool(select.select([self._process.stdout], [], [], timeout)[0])
+        poller = select.poll()
+        poller.register(self._process.stdout, select.POLLIN)
+        return bool(poller.poll(max(0, round(timeout * 1000))))
 
     def kill(self) -> None:
         """End the process now, whatever it is doing."""
@@ -184,7 +187,7 @@ class TokenizerProcess:
             self._process.wait()
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """The CPU time process ``pid`` has used (0 where ``/proc`` cannot say)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:

@@ -12,8 +12,9 @@ the process is stopped and continued (``SIGSTOP``, ``SIGCONT``) so that it compu
 ``RUN_SECONDS`` at a time and the client's calls so paced use its share of one core in
 all. Beside a busy neighbour paced to 5% of a core, the same model made 0.90-0.98x its
 tokens (two runs), against 0.69-0.78x beside one at full speed. The CPU time a pace
-spread out is the client's payment already (``RequestWork.paced_seconds``), not charged
-again when the answer starts.
+spread out (measured from ``/proc``) is the client's payment already
+(``RequestWork.paced_seconds``), not charged again when the answer starts; a call beside
+one of the client's already paced is paced from its start.
 
 The pacing is done by the thread that waits for the call's answer
 (``TokenizerProcess.call``), between its waits: only the call's owner ever stops the
@@ -31,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from triollm.server.client_budget import ALLOWANCE_SECONDS, RequestWork
+from triollm.server.tokenizer_process import cpu_seconds
 
 __all__ = ["RUN_SECONDS", "CallAbandoned", "WorkerPace"]
 
@@ -84,15 +86,18 @@ class WorkerPace:
             _wait(answered, abandoned, float("inf"))
             return
         client = work.client
-        free = max(0.0, ALLOWANCE_SECONDS - budget.behind(client)) * budget.share
+        with self._lock:  # a call beside one already paced has no allowance left
+            free = (0.0 if self._paced[client] else
+                    max(0.0, ALLOWANCE_SECONDS - budget.behind(client)) * budget.share)
         if _wait(answered, abandoned, free):
             return
         with self._lock:
             crowded = sum(self._paced.values()) >= MOST_PACED
             self._paced[client] += 1
-        if not crowded:
-            on_paced()
+        started = cpu_seconds(pid)
         try:
+            if not crowded:
+                on_paced()
             while True:
                 with self._lock:
                     share = budget.share / self._paced[client]
@@ -105,8 +110,10 @@ class WorkerPace:
                     _signal(pid, signal.SIGCONT)
                 if _wait(answered, abandoned, RUN_SECONDS):
                     return
-                work.paced_seconds += RUN_SECONDS
         finally:
+            # what the process computed while paced (its slices' CPU, not their length:
+            # beside busy cores it gets less), paid for as it ran
+            work.paced_seconds += max(0.0, cpu_seconds(pid) - started)
             with self._lock:
                 self._paced[client] -= 1
                 if not self._paced[client]:
