@@ -129,3 +129,18 @@ async def fault_a_rank_mid_stream(engine: AsyncLLMEngine, prompt: str,
                     consumers.start_soon(consume, i)
                 await all_streaming.wait()
                 os.kill(seen.rank.pid, fault)
+
+
+def finish_and_abort_a_mix(core: Any, prompts: Sequence[Any]) -> None:
+    """Requests of different lengths on an ``EngineCore``, three of them aborted a few
+    steps in; after all end, every KV block is free again."""
+    for index, prompt in enumerate(prompts):
+        core.add_request(f"mix-{index}", prompt, SamplingParams(
+            temperature=0, max_tokens=10 + 5 * index, ignore_eos=True))
+    for _ in range(6):
+        core.step()
+    core.abort_request(["mix-1", "mix-4", "mix-6"])
+    while core.has_unfinished_requests():
+        core.step()
+    stats = core.statistics()
+    assert stats.num_free_blocks == stats.num_total_blocks

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from helpers import finish_and_abort_a_mix
 from server_helpers import server_in_thread
 from test_speculative_models import ENGINE, PROMPTS, greedy, token_prompts, tokens_of
 from triollm import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
@@ -128,15 +129,7 @@ def test_tiny_cache_preemption_prefix_caching_and_aborts_free_every_block(
     assert tokens_of(llm.generate(prompts[:2], greedy(30))) == tokens_of(plain[:2])
     # a mix of finishes and aborts mid-run
     core = llm.engine
-    for index, prompt in enumerate(prompts):
-        core.add_request(f"mix-{index}", prompt, greedy(10 + 5 * index))
-    for _ in range(6):
-        core.step()
-    core.abort_request(["mix-1", "mix-4", "mix-6"])
-    while core.has_unfinished_requests():
-        core.step()
-    stats = core.statistics()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    finish_and_abort_a_mix(core, prompts)
     core.step()  # the runner hears of the last finishes with the next step
     runner: Any = core.runner
     assert not runner.draft._computed and not runner._requests

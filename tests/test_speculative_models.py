@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from helpers import finish_and_abort_a_mix
 from server_helpers import server_in_thread
 from triollm import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 from triollm.model.draft_verify import continue_drafts
@@ -148,16 +149,7 @@ def test_qwen2_with_a_tiny_cache_that_preempts_matches_without_speculation(
     assert tokens_of(spec_llm.generate(prompts[:2], greedy(30))) == tokens_of(plain[:2])
     assert spec_llm.engine.statistics().prefix_cache_hits > stats.prefix_cache_hits
     # a mix of finishes and aborts mid-run, while drafts are in flight
-    core = spec_llm.engine
-    for index, prompt in enumerate(prompts):
-        core.add_request(f"mix-{index}", prompt, greedy(10 + 5 * index))
-    for _ in range(6):
-        core.step()
-    core.abort_request(["mix-1", "mix-4", "mix-6"])
-    while core.has_unfinished_requests():
-        core.step()
-    stats = core.statistics()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    finish_and_abort_a_mix(spec_llm.engine, prompts)
 
 
 @pytest.mark.anyio
