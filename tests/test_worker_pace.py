@@ -18,17 +18,12 @@ import pytest
 
 from triollm.server.client_budget import ALLOWANCE_SECONDS, ClientBudget, RequestWork, track_work
 from triollm.server.offload import Offload
+from triollm.server.tokenizer_process import cpu_seconds
 from triollm.server.worker_pace import CallAbandoned, WorkerPace
 from triollm.testing import train_test_tokenizer
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"),
                                 reason="reads a process's CPU time from /proc")
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def state(pid: int) -> str:

@@ -121,7 +121,7 @@ class WorkerPace:
 
 
 def _wait(answered: Callable[[float], bool], abandoned: threading.Event,
-                  seconds: float) -> bool:
+          seconds: float) -> bool:
     """Wait up to ``seconds`` for the answer (one the process started before it was
     stopped shows at once), looking every ``CHECK_SECONDS`` whether the call was
     abandoned; True once answered."""
