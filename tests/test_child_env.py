@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import pytest
@@ -31,5 +32,14 @@ def test_an_engine_process_starts_with_the_child_environment(
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     with PrestartedEngines([None]) as prestarted:
-        environ = psutil.Process(prestarted.pids[0]).environ()
+        environ = _environment_once_exec_has_set_it(prestarted.pids[0])
     assert environ["GOMP_SPINCOUNT"] == str(OPENMP_SPIN_COUNT)
+
+
+def _environment_once_exec_has_set_it(pid: int) -> dict[str, str]:
+    # Popen returns once the kernel has swapped the child's memory for the new
+    # program's, a moment before exec writes its environment: /proc reads empty then.
+    deadline = time.monotonic() + 30
+    while not (environ := psutil.Process(pid).environ()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return environ
