@@ -34,6 +34,7 @@ The target is under 10% loss.
 
     python benchmarks/hostile_load.py                    # every kind, 15 s phases
     python benchmarks/hostile_load.py --kinds stop-300k slow-body --seconds 10
+    python benchmarks/hostile_load.py --rounds 3 --seconds 20   # medians over 3 rounds
 """
 
 from __future__ import annotations
@@ -334,23 +335,34 @@ def run_server_phases(options: argparse.Namespace, kinds: list[str], extra: list
                       ) -> None:
     """A baseline phase before each hostile phase and one after the last: each kind is
     compared with the baselines on either side of it, so a drift of the machine's speed
-    over the run (seen at 19% between a run's first and last baselines) stays out."""
+    over the run (seen at 19% between a run's first and last baselines) stays out. With
+    ``--rounds`` above 1 every kind runs once a round (in reverse order every other
+    round), and each kind's ratios are summed up by their median over the rounds: one
+    phase's p99 over some 70 requests is nearly its slowest request."""
+    ratios: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
     with server(options.model, extra) as (url, process):
         loops = hostile_loops(url, options.model, options)
         run_phase(url, options, None, process.pid)  # warm-up
-        baselines = [run_phase(url, options, None, process.pid)]
-        report("baseline", baselines[-1], None)
-        phases = {}
-        for kind in kinds:
-            phases[kind] = run_phase(url, options, loops[kind], process.pid)
-            report(kind, phases[kind], None)
-            baselines.append(run_phase(url, options, None, process.pid))
-            report("baseline", baselines[-1], None)
-    print("against the baselines on either side:")
-    for index, (kind, phase) in enumerate(phases.items()):
-        around = baselines[index:index + 2]
-        report(kind, phase, (statistics.fmean(b.rate for b in around),
-                             statistics.fmean(b.p99_tpot for b in around)))
+        before = run_phase(url, options, None, process.pid)
+        report("baseline", before, None)
+        for round_index in range(options.rounds):
+            order = kinds if round_index % 2 == 0 else kinds[::-1]
+            for kind in order:
+                phase = run_phase(url, options, loops[kind], process.pid)
+                after = run_phase(url, options, None, process.pid)
+                base = (statistics.fmean([before.rate, after.rate]),
+                        statistics.fmean([before.p99_tpot, after.p99_tpot]))
+                report(kind, phase, base)
+                report("baseline", after, None)
+                ratios[kind].append((phase.rate / base[0], phase.p99_tpot / base[1]))
+                before = after
+    print(f"median over {options.rounds} round(s) (range), against the baselines on "
+          "either side:")
+    for kind, pairs in ratios.items():
+        rates, tails = sorted(r for r, _ in pairs), sorted(t for _, t in pairs)
+        print(f"{kind:17s} tok/s {statistics.median(rates):5.2f}x ({rates[0]:.2f}-"
+              f"{rates[-1]:.2f})  p99 TPOT {statistics.median(tails):5.2f}x "
+              f"({tails[0]:.2f}-{tails[-1]:.2f})", flush=True)
 
 
 def main() -> None:
@@ -364,6 +376,9 @@ def main() -> None:
                         help="hostile kinds to run (default: all)")
     parser.add_argument("--seconds", type=float, default=15.0,
                         help="length of each phase (default: 15)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each kind runs, interleaved; the summary is the "
+                             "median over rounds (default: 1)")
     parser.add_argument("--honest", type=int, default=4,
                         help="honest streaming clients (default: 4)")
     parser.add_argument("--max-tokens", type=int, default=32,
@@ -378,8 +393,8 @@ def main() -> None:
     parser.add_argument("serve_args", nargs="*",
                         help="more `triollm serve` flags, after --")
     options = parser.parse_args()
-    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; phases of "
-          f"{options.seconds:g} s, {options.honest} honest clients x {options.max_tokens} "
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
+          f"{options.rounds} round(s) of {options.seconds:g} s phases, {options.honest} honest clients x {options.max_tokens} "
           f"tokens", flush=True)
     kinds = [kind for kind in options.kinds if kind != "template-trusted"]
     if kinds:
