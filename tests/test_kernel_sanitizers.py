@@ -1,8 +1,9 @@
-"""The helper pool, the decode kernel and the AVX2 int4/int8 kernel under ThreadSanitizer
+"""The helper pool, the decode kernel and the int4/int8 kernels under ThreadSanitizer
 and under AddressSanitizer with UndefinedBehaviorSanitizer: ``tests/csrc/pool_driver.c``
 runs jobs on helpers (two callers at once, helpers that stall so the caller takes their
 units back, drains) and decode attention on the pool against its OpenMP entry point;
-``tests/csrc/qgemm_driver.c`` runs both quantized layouts on stalling helpers against
+``tests/csrc/qgemm_driver.c`` runs both quantized layouts of each int4/int8 kernel
+(AVX2's, AVX512-BF16's, where the CPU has it) on stalling helpers against
 one OpenMP thread and an exact product. Each must give the right answers and the
 sanitizer must report nothing."""
 
@@ -39,9 +40,9 @@ def _has_runtime(sanitizer: str, work: Path) -> bool:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the pool has helpers on Linux only")
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
-@pytest.mark.parametrize(("driver", "kernel"), [("pool_driver.c", "decode.c"),
-                                                ("qgemm_driver.c", "qgemm_avx2.c")],
-                         ids=["decode", "qgemm_avx2"])
+@pytest.mark.parametrize(("driver", "kernel"), [
+    ("pool_driver.c", "decode.c"), ("qgemm_driver.c", "qgemm_avx2.c"),
+    ("qgemm_driver.c", "qgemm_avx512.c")], ids=["decode", "qgemm_avx2", "qgemm_avx512"])
 def test_the_pool_and_a_kernel_run_clean_under_a_sanitizer(
         sanitizer: str, driver: str, kernel: str, tmp_path: Path) -> None:
     if not _has_runtime(sanitizer, tmp_path):
@@ -50,7 +51,8 @@ def test_the_pool_and_a_kernel_run_clean_under_a_sanitizer(
     subprocess.run(
         [_compiler(), "-O1", "-g", "-march=native", "-fno-omit-frame-pointer",
          f"-fsanitize={sanitizer}", "-fno-sanitize-recover=all", "-fopenmp", "-std=c11",
-         "-Wall", "-Wextra", "-Werror", f"-I{CSRC}", str(DRIVERS / driver),
+         "-Wall", "-Wextra", "-Werror", f"-I{CSRC}", f"-DQGEMM=triollm_{Path(kernel).stem}",
+         str(DRIVERS / driver),
          str(CSRC / "pool.c"), str(CSRC / kernel), "-lm", "-o", str(program)],
         check=True, capture_output=True, text=True, timeout=300)
     environment = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66",

@@ -46,7 +46,7 @@ def test_each_layout_runs_on_its_kernel_and_computes_the_dequantized_product(
     weight = quantize_weight(random_weight(48, 1024), bits, group_size)
     bias = torch.randn(48)
     layer = quantized_or_plain(weight, bias, dtype)
-    assert isinstance(layer, QuantizedLinear) and layer.kernel.name.removesuffix("-avx2") == kernel
+    assert isinstance(layer, QuantizedLinear) and layer.kernel.name.split("-")[0] == kernel
     assert_computes(layer, weight, bias, dtype)
 
 

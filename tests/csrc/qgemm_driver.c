@@ -1,4 +1,5 @@
-/* Drives the AVX2 int4/int8 kernel (csrc/qgemm_avx2.c) for a sanitizer build
+/* Drives an int4/int8 kernel (csrc/qgemm_avx2.c, or the one whose entry point
+   -DQGEMM= names: csrc/qgemm_avx512.c's triollm_qgemm_avx512) for a sanitizer build
    (tests/test_kernel_sanitizers.py): each layout over partial and whole units of rows,
    on the pool with helpers that stall (so the caller takes units back) against the
    OpenMP entry point on one thread, and against a product known exactly. Exits 0
@@ -11,11 +12,17 @@
 
 #include "pool.h"
 
-int triollm_qgemm_avx2_supported(void);
-int triollm_qgemm_avx2(const uint16_t*, const void*, const void*, uint16_t*, int64_t,
-                       int64_t, int64_t, int64_t, int);
-int triollm_qgemm_avx2_pooled(const uint16_t*, const void*, const void*, uint16_t*,
-                              int64_t, int64_t, int64_t, int64_t, int);
+#ifndef QGEMM
+#define QGEMM triollm_qgemm_avx2
+#endif
+#define JOINED(a, b) a##b
+#define NAMED(a, b) JOINED(a, b)
+
+int NAMED(QGEMM, _supported)(void);
+int QGEMM(const uint16_t*, const void*, const void*, uint16_t*, int64_t, int64_t, int64_t,
+          int64_t, int);
+int NAMED(QGEMM, _pooled)(const uint16_t*, const void*, const void*, uint16_t*, int64_t,
+                          int64_t, int64_t, int64_t, int);
 
 enum { BF16_ONE = 0x3F80, FP16_ONE = 0x3C00, FP16_EIGHT = 0x4800 };
 
@@ -37,8 +44,8 @@ static int check(int64_t m, int64_t n, int64_t k, int64_t g) {
             ((uint16_t*)s)[32 * b + 16 + j] = FP16_EIGHT;
         }
     for (int64_t j = 0; !g && j < n; j++) ((float*)s)[j] = 1.0f;
-    int ok = triollm_qgemm_avx2(x, w, s, plain, m, n, k, g, 1)
-             && triollm_qgemm_avx2_pooled(x, w, s, pooled, m, n, k, g, 2);
+    int ok = QGEMM(x, w, s, plain, m, n, k, g, 1)
+             && NAMED(QGEMM, _pooled)(x, w, s, pooled, m, n, k, g, 2);
     triollm_pool_drain();
     for (int64_t i = 0; ok && i < m * n; i++) {
         const uint32_t wide = (uint32_t)plain[i] << 16;
@@ -51,7 +58,7 @@ static int check(int64_t m, int64_t n, int64_t k, int64_t g) {
 }
 
 int main(void) {
-    if (!triollm_qgemm_avx2_supported()) {
+    if (!NAMED(QGEMM, _supported)()) {
         printf("ok\n");
         return 0;
     }

@@ -92,6 +92,9 @@ KERNELS = {
     "qgemm_avx2": KernelSource("qgemm_avx2", pooled=True,
                                supported="triollm_qgemm_avx2_supported",
                                needs="AVX2, FMA and F16C", cpu_flag="avx2 fma f16c"),
+    "qgemm_avx512": KernelSource("qgemm_avx512", pooled=True,
+                                 supported="triollm_qgemm_avx512_supported",
+                                 needs="AVX512-BF16", cpu_flag="avx512_bf16 avx512bw"),
     "varlen": KernelSource("varlen", pooled=False, supported="triollm_varlen_supported",
                            needs="AVX-512", cpu_flag="avx512f"),
 }

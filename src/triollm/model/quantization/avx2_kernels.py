@@ -26,6 +26,7 @@ unavailable or disagrees, and for float32 or float16 activations, torch's kernel
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -35,18 +36,20 @@ from triollm.model.cpu.helpers import PooledFunction
 from triollm.model.quantization.kernels import QuantizedKernel, _equal_groups
 from triollm.model.quantization.weights import QuantizedWeight
 
-__all__ = ["Avx2Int4Kernel", "Avx2Int8Kernel", "QuantizedGemm",
-           "avx2_kernel_for", "load_quantized_gemm"]
+__all__ = ["Avx2Int4Kernel", "Avx2Int8Kernel", "QuantizedGemm", "agrees_with_dequantized",
+           "avx2_kernel_for", "fits_fp16", "fp16_scales", "load_quantized_gemm"]
 
 _FP16_TINY = 2.0 ** -14  # fp16's smallest normal number
 _FP16_MAX = 65504.0
 
 
 class QuantizedGemm:
-    """The C library's product over either layout."""
+    """A C library's product over either of its layouts (``entry``: the name of its
+    plain C function)."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._product = PooledFunction(library, "triollm_qgemm_avx2",
+    def __init__(self, library: ctypes.CDLL, entry: str = "triollm_qgemm_avx2") -> None:
+        self.entry = entry
+        self._product = PooledFunction(library, entry,
                                        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
                                        + [ctypes.c_int], ctypes.c_int)
 
@@ -56,7 +59,7 @@ class QuantizedGemm:
         (``group_size``: int4's; 0 for int8)."""
         in_features = x.shape[-1]
         if x.dtype != torch.bfloat16:
-            raise ValueError(f"the AVX2 quantized kernel takes bf16 inputs, got {x.dtype}")
+            raise ValueError(f"{self.entry} takes bf16 inputs, got {x.dtype}")
         if not x.is_contiguous():
             x = x.contiguous()
         rows = x.numel() // in_features
@@ -64,7 +67,7 @@ class QuantizedGemm:
         if rows and not self._product(x.data_ptr(), weight.data_ptr(), scales.data_ptr(),
                                       out.data_ptr(), rows, out_features, in_features,
                                       group_size):
-            raise MemoryError("no memory for the AVX2 quantized kernel's fp32 inputs")
+            raise MemoryError(f"no memory for {self.entry}'s scratch inputs")
         return out
 
 
@@ -80,7 +83,7 @@ class Avx2Int4Kernel(QuantizedKernel):
         nibbles = q.to(torch.int64).reshape(n // 16, 16, k // 8, 8).permute(0, 2, 1, 3)
         words = (nibbles << torch.arange(0, 32, 4)).sum(-1)
         self.weight = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-        self.scales = _fp16_scales(weight).contiguous()
+        self.scales = fp16_scales(weight).contiguous()
         self.gemm = gemm
         self.permutation = permutation
         self.group_size = group_size
@@ -92,7 +95,7 @@ class Avx2Int4Kernel(QuantizedKernel):
     def build(gemm: QuantizedGemm, weight: QuantizedWeight) -> Avx2Int4Kernel | None:
         """The kernel for ``weight``, or None where its shape, groups or scales do not
         fit."""
-        if weight.bits > 4 or weight.out_features % 16 or not _fits_fp16(weight):
+        if weight.bits > 4 or weight.out_features % 16 or not fits_fp16(weight):
             return None
         groups = _equal_groups(weight)
         if groups is None or groups[1] % 8:
@@ -138,7 +141,7 @@ class Avx2Int8Kernel(QuantizedKernel):
         return self.gemm(x, self.weight, self.scales, self.out_features, 0)
 
 
-def _fp16_scales(weight: QuantizedWeight) -> torch.Tensor:
+def fp16_scales(weight: QuantizedWeight) -> torch.Tensor:
     """``[out/16, groups, 2, 16]`` fp16: each group's scales, then its zero terms."""
     scales = weight.scales.float()
     terms = scales * weight.zeros.float()
@@ -147,7 +150,7 @@ def _fp16_scales(weight: QuantizedWeight) -> torch.Tensor:
     return both.permute(1, 3, 0, 2).to(torch.float16)
 
 
-def _fits_fp16(weight: QuantizedWeight) -> bool:
+def fits_fp16(weight: QuantizedWeight) -> bool:
     """Whether fp16 holds every scale and zero term to its full precision."""
     for values in (weight.scales.float(), weight.scales.float() * weight.zeros.float()):
         magnitude = values.abs()
@@ -157,20 +160,24 @@ def _fits_fp16(weight: QuantizedWeight) -> bool:
     return True
 
 
-def _agrees_with_torch(gemm: QuantizedGemm) -> bool:
-    """Both layouts against the dequantized fp32 product: one row, partial and full
-    chunks of 4 and units of 16 rows, groups of 8 to per channel, odd widths."""
+def agrees_with_dequantized(
+        gemm: QuantizedGemm,
+        int4: Callable[[QuantizedGemm, QuantizedWeight], QuantizedKernel | None],
+        int8: Callable[[QuantizedGemm, QuantizedWeight], QuantizedKernel | None]) -> bool:
+    """A library's two layouts (built by ``int4`` and ``int8``) against the dequantized
+    fp32 product: one row, partial and full chunks and units of 16 rows, groups of 8 to
+    per channel, odd widths."""
     from triollm.model.quantization.quantize import quantize_weight
 
     generator = torch.Generator().manual_seed(0)
     for rows, out_features, in_features, bits, group in (
             (1, 32, 64, 4, 32), (3, 16, 48, 4, 8), (16, 48, 128, 4, -1),
             (19, 32, 64, 4, 16), (1, 16, 30, 8, -1), (7, 32, 64, 8, -1),
-            (34, 16, 34, 8, -1)):
+            (34, 16, 34, 8, -1), (13, 32, 256, 4, 128), (37, 16, 64, 8, -1),
+            (70, 32, 256, 4, 64), (66, 48, 64, 8, -1)):
         quantized = quantize_weight(torch.randn(out_features, in_features,
                                                 generator=generator), bits, group)
-        kernel = (Avx2Int4Kernel.build(gemm, quantized) if bits == 4
-                  else Avx2Int8Kernel.build(gemm, quantized))
+        kernel = int4(gemm, quantized) if bits == 4 else int8(gemm, quantized)
         if kernel is None:
             return False
         x = torch.randn(rows, in_features, generator=generator).bfloat16()
@@ -190,7 +197,8 @@ def load_quantized_gemm() -> QuantizedGemm | None:
     if "avx512f" in cpu_flags():
         return None
     return load_checked("qgemm_avx2", "AVX2 int4/int8 kernel", QuantizedGemm,
-                        _agrees_with_torch,
+                        lambda gemm: agrees_with_dequantized(
+                            gemm, Avx2Int4Kernel.build, Avx2Int8Kernel.build),
                         fallback="torch's int4/int8 kernels")
 
 

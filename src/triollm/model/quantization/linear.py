@@ -1,5 +1,6 @@
-"""``QuantizedLinear``: a linear layer whose weight stays quantized, multiplied by one of
-torch's CPU kernels (kernels.py).
+"""``QuantizedLinear``: a linear layer whose weight stays quantized, multiplied by the
+first kernel that takes it: the AVX512-BF16 kernel (avx512_kernels.py), the AVX2 one
+(avx2_kernels.py), torch's CPU kernels (kernels.py).
 
 Like ``PackedLinear`` (model/cpu/packed_linear.py), its packed tensors are not something
 ``torch.compile`` should trace: a compiled model calls the custom op
@@ -19,6 +20,7 @@ from torch import nn
 
 from triollm.model.ops import define_op
 from triollm.model.quantization.avx2_kernels import avx2_kernel_for
+from triollm.model.quantization.avx512_kernels import avx512_kernel_for
 from triollm.model.quantization.kernels import QuantizedKernel, kernel_for
 from triollm.model.quantization.weights import QuantizedWeight
 
@@ -95,8 +97,8 @@ def quantized_or_plain(weight: QuantizedWeight, bias: torch.Tensor | None,
     like any other)."""
     device = weight.qweight.device
     dequantized = weight.dequantize(dtype)
-    kernel = (avx2_kernel_for(weight, dtype) or kernel_for(weight, dtype)
-              if device.type == "cpu" else None)
+    kernel = (avx512_kernel_for(weight, dtype) or avx2_kernel_for(weight, dtype)
+              or kernel_for(weight, dtype) if device.type == "cpu" else None)
     if kernel is not None:
         layer = QuantizedLinear(weight, kernel, None if bias is None else bias.to(dtype))
         probe = torch.randn(3, weight.in_features, generator=torch.Generator().manual_seed(0)

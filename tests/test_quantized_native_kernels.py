@@ -1,0 +1,194 @@
+"""triollm's own int4/int8 kernels, AVX2's (model/quantization/avx2_kernels.py) and
+AVX512-BF16's (avx512_kernels.py), each give the dequantized fp32 product to bf16
+rounding for any shape, group size and row count it takes (act order included), the
+same bits on helper threads as on OpenMP; bf16 layers run on the one this CPU has,
+float32 ones and weights whose scales fp16 cannot hold on torch's kernels. Each test
+runs for the kernel the CPU has and skips the other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from triollm.model.cpu import helpers as cpu_helpers
+from triollm.model.cpu import build
+from triollm.model.quantization import avx2_kernels, avx512_kernels
+from triollm.model.quantization.avx2_kernels import (
+    Avx2Int4Kernel,
+    Avx2Int8Kernel,
+    QuantizedGemm,
+    load_quantized_gemm,
+)
+from triollm.model.quantization.avx512_kernels import (
+    Avx512Int4Kernel,
+    Avx512Int8Kernel,
+    load_avx512_gemm,
+)
+from triollm.model.quantization.kernels import QuantizedKernel
+from triollm.model.quantization.linear import QuantizedLinear, quantized_or_plain
+from triollm.model.quantization.quantize import quantize_weight
+from triollm.model.quantization.weights import QuantizedWeight
+
+
+Build = Callable[[QuantizedGemm, QuantizedWeight], QuantizedKernel | None]
+
+
+@dataclass(frozen=True)
+class Native:
+    """One of triollm's kernel libraries: its loader and its two layouts."""
+
+    suffix: str
+    load: Callable[[], QuantizedGemm | None]
+    int4: Build
+    int8: Build
+    needs: str
+
+    def gemm(self) -> QuantizedGemm:
+        gemm = self.load()
+        if gemm is None:
+            pytest.skip(f"no {self.needs} on this CPU")
+        return gemm
+
+    def build(self, bits: int, weight: QuantizedWeight) -> QuantizedKernel:
+        kernel = (self.int4 if bits == 4 else self.int8)(self.gemm(), weight)
+        assert kernel is not None
+        return kernel
+
+
+AVX2 = Native("avx2", load_quantized_gemm, Avx2Int4Kernel.build, Avx2Int8Kernel.build,
+              "AVX2, FMA and F16C without AVX-512")
+AVX512 = Native("avx512", load_avx512_gemm, Avx512Int4Kernel.build, Avx512Int8Kernel.build,
+                "AVX512-BF16")
+each_native = pytest.mark.parametrize("native", [AVX2, AVX512], ids=["avx2", "avx512"])
+
+
+def _weight(bits: int, out_features: int, in_features: int, group_size: int,
+            act_order: bool, seed: int) -> QuantizedWeight:
+    generator = torch.Generator().manual_seed(seed)
+    weight = quantize_weight(torch.randn(out_features, in_features, generator=generator),
+                             bits, group_size)
+    if not act_order:
+        return weight
+    order = torch.randperm(in_features, generator=generator)
+    return QuantizedWeight(weight.qweight[:, order], weight.scales, weight.zeros, bits=bits,
+                           group_size=weight.group_size,
+                           group_index=weight.groups()[order].int())
+
+
+def _assert_computes(kernel: nn.Module | QuantizedKernel,
+                     weight: QuantizedWeight, rows: int, seed: int) -> None:
+    x = torch.randn(rows, weight.in_features,
+                    generator=torch.Generator().manual_seed(seed)).bfloat16()
+    expected = nn.functional.linear(x.float(), weight.dequantize())
+    got = kernel(x)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    scale = float(expected.abs().max()) if expected.numel() else 1.0
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * scale)
+
+
+@each_native
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 37), blocks=st.integers(1, 4), groups=st.integers(1, 5),
+       group_size=st.sampled_from([8, 16, 32, 64, 128]), act_order=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_int4_gives_the_dequantized_product(native: Native, rows: int, blocks: int,
+                                            groups: int, group_size: int, act_order: bool,
+                                            seed: int) -> None:
+    """Partial and whole chunks of rows and units of 16, any multiple-of-8 group."""
+    weight = _weight(4, 16 * blocks, group_size * groups, group_size, act_order, seed)
+    _assert_computes(native.build(4, weight), weight, rows, seed)
+
+
+@each_native
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 37), blocks=st.integers(1, 4), pairs=st.integers(1, 80),
+       seed=st.integers(0, 2**16))
+def test_int8_gives_the_dequantized_product(native: Native, rows: int, blocks: int,
+                                            pairs: int, seed: int) -> None:
+    """Any even input width (an odd count of input pairs included)."""
+    weight = _weight(8, 16 * blocks, 2 * pairs, -1, False, seed)
+    _assert_computes(native.build(8, weight), weight, rows, seed)
+
+
+@each_native
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 40), bits=st.sampled_from([4, 8]), blocks=st.integers(1, 9),
+       count=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+def test_helpers_give_the_bits_of_openmp(native: Native, rows: int, bits: int, blocks: int,
+                                         count: int, seed: int) -> None:
+    weight = _weight(bits, 16 * blocks, 64, 32 if bits == 4 else -1, False, seed)
+    kernel = native.build(bits, weight)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    expected = kernel(x)
+    cpu_helpers.set_spare_threads(count)
+    try:
+        got = kernel(x)
+    finally:
+        cpu_helpers.set_spare_threads(0)
+    assert torch.equal(got, expected)
+
+
+@each_native
+def test_bf16_layers_run_on_it_and_float32_ones_on_torchs_kernels(native: Native) -> None:
+    native.gemm()
+    for bits, group_size in ((4, 128), (4, -1), (8, -1)):
+        weight = _weight(bits, 32, 256, group_size, False, 0)
+        bf16 = quantized_or_plain(weight, torch.randn(32), torch.bfloat16)
+        fp32 = quantized_or_plain(weight, None, torch.float32)
+        assert isinstance(bf16, QuantizedLinear)
+        assert bf16.kernel.name == f"int{bits}-{native.suffix}"
+        assert isinstance(fp32, QuantizedLinear) and fp32.kernel.name == f"int{bits}"
+
+
+@each_native
+def test_scales_fp16_cannot_hold_stay_on_torchs_kernel(native: Native) -> None:
+    gemm = native.gemm()
+    weight = _weight(4, 16, 64, 32, False, 0)
+    tiny = QuantizedWeight(weight.qweight, weight.scales * 1e-6, weight.zeros, bits=4,
+                           group_size=32)
+    assert native.int4(gemm, tiny) is None
+    layer = quantized_or_plain(tiny, None, torch.bfloat16)
+    assert isinstance(layer, QuantizedLinear) and layer.kernel.name == "int4"
+
+
+def test_an_avx512_cpu_without_bf16_keeps_torchs_kernels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = {"avx2", "fma", "f16c", "avx512f", "avx512bw"}
+    monkeypatch.setattr(avx2_kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(build, "cpu_flags", lambda: flags)
+    load_quantized_gemm.cache_clear()
+    load_avx512_gemm.cache_clear()
+    try:
+        assert load_quantized_gemm() is None and load_avx512_gemm() is None
+        layer = quantized_or_plain(_weight(4, 16, 64, 32, False, 0), None, torch.bfloat16)
+        assert isinstance(layer, QuantizedLinear) and layer.kernel.name == "int4"
+    finally:
+        load_quantized_gemm.cache_clear()
+        load_avx512_gemm.cache_clear()
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(avx512_kernels.DEQUANTIZE_FROM_ROWS, 150), bits=st.sampled_from([4, 8]),
+       blocks=st.integers(1, 6), steps=st.integers(1, 12), per_slice=st.integers(1, 4),
+       act_order=st.booleans(), seed=st.integers(0, 2**16))
+def test_many_rows_multiply_the_weight_dequantized_a_slice_at_a_time(
+        rows: int, bits: int, blocks: int, steps: int, per_slice: int, act_order: bool,
+        seed: int) -> None:
+    """From ``DEQUANTIZE_FROM_ROWS`` rows the AVX512-BF16 kernel dequantizes slices of
+    ``per_slice`` blocks of 16 outputs into bf16 for torch's ``linear``."""
+    in_features = 8 * steps * (1 if bits == 8 else 2)
+    weight = _weight(bits, 16 * blocks, in_features, in_features // 2 if bits == 4 else -1,
+                     act_order and bits == 4, seed)
+    kernel = AVX512.build(bits, weight)
+    original = avx512_kernels.SLICE_ELEMENTS
+    avx512_kernels.SLICE_ELEMENTS = 16 * per_slice * in_features
+    try:
+        _assert_computes(kernel, weight, rows, seed)
+    finally:
+        avx512_kernels.SLICE_ELEMENTS = original
