@@ -394,8 +394,8 @@ def main() -> None:
                         help="more `triollm serve` flags, after --")
     options = parser.parse_args()
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
-          f"{options.rounds} round(s) of {options.seconds:g} s phases, {options.honest} honest clients x {options.max_tokens} "
-          f"tokens", flush=True)
+          f"{options.rounds} round(s) of {options.seconds:g} s phases, {options.honest} "
+          f"honest clients x {options.max_tokens} tokens", flush=True)
     kinds = [kind for kind in options.kinds if kind != "template-trusted"]
     if kinds:
         run_server_phases(options, kinds, options.serve_args)

@@ -1,5 +1,5 @@
 """triollm's own int4/int8 kernels, AVX2's (model/quantization/avx2_kernels.py) and
-AVX512-BF16's (avx512_kernels.py), each give the dequantized fp32 product to bf16
+AVX-512's (avx512_kernels.py), each give the dequantized fp32 product to bf16
 rounding for any shape, group size and row count it takes (act order included), the
 same bits on helper threads as on OpenMP; bf16 layers run on the one this CPU has,
 float32 ones and weights whose scales fp16 cannot hold on torch's kernels. Each test
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from triollm.model.cpu import helpers as cpu_helpers
 from triollm.model.cpu import build
+from triollm.model.cpu import helpers as cpu_helpers
 from triollm.model.quantization import avx2_kernels, avx512_kernels
 from triollm.model.quantization.avx2_kernels import (
     Avx2Int4Kernel,
@@ -34,7 +34,6 @@ from triollm.model.quantization.kernels import QuantizedKernel
 from triollm.model.quantization.linear import QuantizedLinear, quantized_or_plain
 from triollm.model.quantization.quantize import quantize_weight
 from triollm.model.quantization.weights import QuantizedWeight
-
 
 Build = Callable[[QuantizedGemm, QuantizedWeight], QuantizedKernel | None]
 
@@ -64,7 +63,7 @@ class Native:
 AVX2 = Native("avx2", load_quantized_gemm, Avx2Int4Kernel.build, Avx2Int8Kernel.build,
               "AVX2, FMA and F16C without AVX-512")
 AVX512 = Native("avx512", load_avx512_gemm, Avx512Int4Kernel.build, Avx512Int8Kernel.build,
-                "AVX512-BF16")
+                "AVX-512 F and BW")
 each_native = pytest.mark.parametrize("native", [AVX2, AVX512], ids=["avx2", "avx512"])
 
 
@@ -157,9 +156,9 @@ def test_scales_fp16_cannot_hold_stay_on_torchs_kernel(native: Native) -> None:
     assert isinstance(layer, QuantizedLinear) and layer.kernel.name == "int4"
 
 
-def test_an_avx512_cpu_without_bf16_keeps_torchs_kernels(
+def test_a_cpu_without_avx2_or_avx512_keeps_torchs_kernels(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    flags = {"avx2", "fma", "f16c", "avx512f", "avx512bw"}
+    flags = {"sse4_2", "f16c"}
     monkeypatch.setattr(avx2_kernels, "cpu_flags", lambda: flags)
     monkeypatch.setattr(build, "cpu_flags", lambda: flags)
     load_quantized_gemm.cache_clear()
@@ -171,6 +170,19 @@ def test_an_avx512_cpu_without_bf16_keeps_torchs_kernels(
     finally:
         load_quantized_gemm.cache_clear()
         load_avx512_gemm.cache_clear()
+
+
+def test_an_avx512_cpu_takes_the_avx512_kernel_not_the_avx2_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    AVX512.gemm()
+    monkeypatch.setattr(avx2_kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
+    load_quantized_gemm.cache_clear()
+    try:
+        assert load_quantized_gemm() is None
+        layer = quantized_or_plain(_weight(4, 16, 64, 32, False, 0), None, torch.bfloat16)
+        assert isinstance(layer, QuantizedLinear) and layer.kernel.name == "int4-avx512"
+    finally:
+        load_quantized_gemm.cache_clear()
 
 
 @settings(max_examples=15, deadline=None)

@@ -94,7 +94,7 @@ KERNELS = {
                                needs="AVX2, FMA and F16C", cpu_flag="avx2 fma f16c"),
     "qgemm_avx512": KernelSource("qgemm_avx512", pooled=True,
                                  supported="triollm_qgemm_avx512_supported",
-                                 needs="AVX512-BF16", cpu_flag="avx512_bf16 avx512bw"),
+                                 needs="AVX-512 F and BW", cpu_flag="avx512f avx512bw"),
     "varlen": KernelSource("varlen", pooled=False, supported="triollm_varlen_supported",
                            needs="AVX-512", cpu_flag="avx512f"),
 }

@@ -91,8 +91,8 @@ class Avx2Int4Kernel(QuantizedKernel):
         self.nbytes = (self.weight.nbytes + self.scales.nbytes
                        + (0 if permutation is None else permutation.nbytes))
 
-    @staticmethod
-    def build(gemm: QuantizedGemm, weight: QuantizedWeight) -> Avx2Int4Kernel | None:
+    @classmethod
+    def build(cls, gemm: QuantizedGemm, weight: QuantizedWeight) -> Avx2Int4Kernel | None:
         """The kernel for ``weight``, or None where its shape, groups or scales do not
         fit."""
         if weight.bits > 4 or weight.out_features % 16 or not fits_fp16(weight):
@@ -100,7 +100,7 @@ class Avx2Int4Kernel(QuantizedKernel):
         groups = _equal_groups(weight)
         if groups is None or groups[1] % 8:
             return None
-        return Avx2Int4Kernel(gemm, weight, *groups)
+        return cls(gemm, weight, *groups)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.permutation is not None:
@@ -122,8 +122,8 @@ class Avx2Int8Kernel(QuantizedKernel):
         self.out_features = n
         self.nbytes = self.weight.nbytes + self.scales.nbytes
 
-    @staticmethod
-    def build(gemm: QuantizedGemm, weight: QuantizedWeight) -> Avx2Int8Kernel | None:
+    @classmethod
+    def build(cls, gemm: QuantizedGemm, weight: QuantizedWeight) -> Avx2Int8Kernel | None:
         """The kernel for ``weight``, or None where it has more than one group per
         channel, zero points that do not fit a signed byte, or an odd shape."""
         if (weight.bits > 8 or weight.scales.shape[1] != 1 or weight.out_features % 16
@@ -135,7 +135,7 @@ class Avx2Int8Kernel(QuantizedKernel):
         if (int(weight.qweight.min()) - int(zeros.max()) < -128
                 or int(weight.qweight.max()) - int(zeros.min()) > 127):
             return None
-        return Avx2Int8Kernel(gemm, weight)
+        return cls(gemm, weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.weight, self.scales, self.out_features, 0)

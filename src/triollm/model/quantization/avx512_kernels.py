@@ -1,25 +1,19 @@
-"""Weight-only int4 and int8 products in bf16 on CPUs with AVX512-BF16, where torch's
-kernels (kernels.py) are bound by unpacking, far below memory speed (docs/benchmarks.md).
+"""Weight-only int4 and int8 products in bf16 on CPUs with AVX-512 (F and BW), where
+torch's kernels (kernels.py) are bound by unpacking, far below memory speed
+(docs/benchmarks.md).
 
-The C library (``csrc/qgemm_avx512.c``) turns the integer weights into bf16 in
-registers and multiplies them with ``vdpbf16ps``, the bf16 inputs used as they come.
-Per block of 16 outputs:
-
-- ``Avx512Int4Kernel``: 4-bit values in equal groups (any size that is a multiple of 8,
-  per channel included; GPTQ's ``desc_act`` columns permuted as for torch's kernel); in
-  a step of 8 inputs, 16-bit word ``2j + t`` holds output ``j``'s inputs ``2s + t`` in
-  its nibbles ``s``; each group's scale and zero term ``scale * zero`` in fp16 (a
-  weight whose scales fp16 would not hold stays on torch's kernel);
-- ``Avx512Int8Kernel``: signed bytes (``q - zero``) in pairs of inputs per output, a
-  fp32 scale per output.
-
-A unit of work is one block's product for up to 16 rows, 8 at a time, so many rows
-cost about what the packed bf16 GEMM costs them (the weights are unpacked once per 8
-rows). Threads split the units: torch's OpenMP threads, or the helper pool
-(helpers.py) where the thread policy computes on one thread. Built where the CPU has
-AVX512-BF16 and checked against the dequantized fp32 product at load (build.py's
+The C library (``csrc/qgemm_avx512.c``) takes the AVX2 kernel's layouts
+(avx2_kernels.py: ``Avx512Int4Kernel`` and ``Avx512Int8Kernel`` are its kernels on this
+library) and multiplies in fp32 FMAs, 16 outputs an instruction: a nibble becomes a
+float in one ternary-logic op (OR-ed into the bits of 1.0), an int8 in a widening and a
+conversion. A unit of work is one block of 16 outputs for up to 16 rows, 4 at a time.
+From ``DEQUANTIZE_FROM_ROWS`` rows (prefill) the weight is dequantized into bf16 instead,
+a slice of outputs at a time, for torch's ``linear`` (oneDNN, on AMX where the CPU has
+it). Threads split the units: torch's OpenMP threads, or the helper pool (helpers.py)
+where the thread policy computes on one thread. Built where the CPU has AVX-512 F and
+BW and checked against the dequantized fp32 product at load (build.py's
 ``load_checked``); elsewhere, where it disagrees, and for float32 or float16
-activations, the AVX2 kernel (avx2_kernels.py) or torch's kernels run.
+activations, the AVX2 kernel or torch's kernels run.
 """
 
 from __future__ import annotations
@@ -32,12 +26,12 @@ import torch
 
 from triollm.model.cpu.build import load_checked
 from triollm.model.quantization.avx2_kernels import (
+    Avx2Int4Kernel,
+    Avx2Int8Kernel,
     QuantizedGemm,
     agrees_with_dequantized,
-    fits_fp16,
-    fp16_scales,
 )
-from triollm.model.quantization.kernels import QuantizedKernel, _equal_groups
+from triollm.model.quantization.kernels import QuantizedKernel
 from triollm.model.quantization.weights import QuantizedWeight
 
 __all__ = ["DEQUANTIZE_FROM_ROWS", "Avx512Gemm", "Avx512Int4Kernel", "Avx512Int8Kernel",
@@ -98,77 +92,18 @@ class Avx512Gemm(QuantizedGemm):
         return scratch
 
 
-class Avx512Int4Kernel(QuantizedKernel):
-    """A weight of at most 4 bits in equal groups, on the AVX512-BF16 kernel."""
+class Avx512Int4Kernel(Avx2Int4Kernel):
+    """A weight of at most 4 bits in equal groups, on the AVX-512 kernel (the AVX2
+    kernel's layout)."""
 
     name = "int4-avx512"
 
-    def __init__(self, gemm: QuantizedGemm, weight: QuantizedWeight,
-                 permutation: torch.Tensor | None, group_size: int) -> None:
-        q = weight.qweight if permutation is None else weight.qweight[:, permutation]
-        n, k = q.shape
-        # [block, 16 outputs j, step, nibble s, t] -> [block, step, j, t, s]
-        nibbles = q.to(torch.int32).reshape(n // 16, 16, k // 8, 4, 2).permute(0, 2, 1, 4, 3)
-        words = (nibbles << torch.arange(0, 16, 4, dtype=torch.int32)).sum(-1)
-        self.weight = torch.where(words >= 2**15, words - 2**16, words).to(
-            torch.int16).reshape(n // 16, k // 8, 32).contiguous()
-        self.scales = fp16_scales(weight).contiguous()
-        self.gemm = gemm
-        self.permutation = permutation
-        self.group_size = group_size
-        self.out_features = n
-        self.nbytes = (self.weight.nbytes + self.scales.nbytes
-                       + (0 if permutation is None else permutation.nbytes))
 
-    @staticmethod
-    def build(gemm: QuantizedGemm, weight: QuantizedWeight) -> Avx512Int4Kernel | None:
-        """The kernel for ``weight``, or None where its shape, groups or scales do not
-        fit."""
-        if weight.bits > 4 or weight.out_features % 16 or not fits_fp16(weight):
-            return None
-        groups = _equal_groups(weight)
-        if groups is None or groups[1] % 8:
-            return None
-        return Avx512Int4Kernel(gemm, weight, *groups)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.permutation is not None:
-            x = x.index_select(-1, self.permutation)
-        return self.gemm(x, self.weight, self.scales, self.out_features, self.group_size)
-
-
-class Avx512Int8Kernel(QuantizedKernel):
-    """A per-channel weight of at most 8 bits with integer zeros, on the AVX512-BF16
-    kernel."""
+class Avx512Int8Kernel(Avx2Int8Kernel):
+    """A per-channel weight of at most 8 bits with integer zeros, on the AVX-512 kernel
+    (the AVX2 kernel's layout)."""
 
     name = "int8-avx512"
-
-    def __init__(self, gemm: QuantizedGemm, weight: QuantizedWeight) -> None:
-        signed = (weight.qweight.to(torch.int32) - weight.zeros.to(torch.int32)).to(torch.int8)
-        n, k = signed.shape
-        self.weight = signed.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-        self.scales = weight.scales[:, 0].float().contiguous()
-        self.gemm = gemm
-        self.out_features = n
-        self.nbytes = self.weight.nbytes + self.scales.nbytes
-
-    @staticmethod
-    def build(gemm: QuantizedGemm, weight: QuantizedWeight) -> Avx512Int8Kernel | None:
-        """The kernel for ``weight``, or None where it has more than one group per
-        channel, zero points that do not fit a signed byte, or an odd shape."""
-        if (weight.bits > 8 or weight.scales.shape[1] != 1 or weight.out_features % 16
-                or weight.in_features % 2):
-            return None
-        zeros = weight.zeros
-        if not bool((zeros == zeros.round()).all()):
-            return None
-        if (int(weight.qweight.min()) - int(zeros.max()) < -128
-                or int(weight.qweight.max()) - int(zeros.min()) > 127):
-            return None
-        return Avx512Int8Kernel(gemm, weight)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm(x, self.weight, self.scales, self.out_features, 0)
 
 
 @cache
