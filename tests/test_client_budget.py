@@ -115,7 +115,7 @@ def test_the_flag() -> None:
         namespace = build_parser().parse_args(["serve", *flags])
         return server_options_from_namespace(namespace).client_cpu_share
 
-    assert share() == 0.05
+    assert share() == 0.02
     assert share("--client-cpu-share", "0.2") == 0.2
     assert share("--client-cpu-share", "0") is None
     with pytest.raises(SystemExit):

@@ -51,9 +51,11 @@ DEFAULT_BODY_READ_TIMEOUT = 30.0
 #: vLLM's 5, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); also the time to send the headers.
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
 #: The share of one core the answers one client address gets from the server alone
-#: (``--client-cpu-share``, server/client_budget.py): on 2 cores, 25 refused requests a
-#: second, or an 8 MB body every 1.2 s.
-DEFAULT_CLIENT_CPU_SHARE = 0.05
+#: (``--client-cpu-share``, server/client_budget.py): 10 refused requests a second, or an
+#: 8 MB body every 3 s. On 2 cores the model loses about three times the share taken
+#: (its threads compute on one core while the server holds the other): 0.05 cost the
+#: honest clients 14% of their throughput under a loop of refused requests.
+DEFAULT_CLIENT_CPU_SHARE = 0.02
 #: Connections the kernel queues unaccepted (uvicorn's 2048).
 DEFAULT_BACKLOG = 2048
 #: vLLM's defaults for ``--h11-max-incomplete-event-size`` (bytes of a request line and
