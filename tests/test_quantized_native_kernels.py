@@ -192,7 +192,7 @@ def test_an_avx512_cpu_takes_the_avx512_kernel_not_the_avx2_one(
 def test_many_rows_multiply_the_weight_dequantized_a_slice_at_a_time(
         rows: int, bits: int, blocks: int, steps: int, per_slice: int, act_order: bool,
         seed: int) -> None:
-    """From ``DEQUANTIZE_FROM_ROWS`` rows the AVX512-BF16 kernel dequantizes slices of
+    """From ``DEQUANTIZE_FROM_ROWS`` rows the AVX-512 kernel dequantizes slices of
     ``per_slice`` blocks of 16 outputs into bf16 for torch's ``linear``."""
     in_features = 8 * steps * (1 if bits == 8 else 2)
     weight = _weight(bits, 16 * blocks, in_features, in_features // 2 if bits == 4 else -1,

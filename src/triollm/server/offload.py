@@ -44,7 +44,7 @@ from triollm.server.limits import (
     PREFIX_CHARS_PER_TOKEN,
     PREFIX_MARGIN_TOKENS,
 )
-from triollm.server.tokenizer_process import TokenizerProcess
+from triollm.server.tokenizer_process import TokenizerProcess, fast_tokenizer_json
 from triollm.server.worker_pace import CallAbandoned, WorkerPace
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class Offload:
         self._processes = anyio.CapacityLimiter(processes)
         self._max_waiting = max_waiting
         self._pickled: bytes | None = None
+        self._fast_json: str | None = None
         self._lock = threading.Lock()
         self._workers: list[TokenizerProcess] = []
         self._idle: list[TokenizerProcess] = []
@@ -228,7 +229,8 @@ class Offload:
                 return self._idle.pop()
             if self._pickled is None:
                 self._pickled = pickle.dumps(self.tokenizer)
-        worker = TokenizerProcess(self._pickled)
+                self._fast_json = fast_tokenizer_json(self.tokenizer)
+        worker = TokenizerProcess(self._pickled, self._fast_json)
         with self._lock:
             self._workers.append(worker)
         return worker

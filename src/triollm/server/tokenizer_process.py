@@ -12,6 +12,13 @@ waits on the pipe. The child (this file run by the server's Python) reads
 pickled calls from stdin and writes pickled answers to stdout; it ends when its stdin
 closes, so it never outlives the server.
 
+It starts in a tenth of a second: where the server's tokenizer is a fast one whose
+Rust tokenizer (``tokenizers``) encodes as it does (``fast_tokenizer_json`` checks on
+probes), the child encodes with that alone, and unpickles the whole tokenizer, which
+imports transformers (about 1.8 s of CPU), only for its first chat template. A worker
+killed mid-call (its client left) is replaced at the next call, so an encode-only
+replacement costs little that nobody is charged for.
+
 It runs at the server's own priority: its work is what one client can make as large as
 it likes, and what keeps it from the model's cores is its pace (server/worker_pace.py),
 which stops and continues it so that it gets its client's share of one core. At a lower
@@ -35,7 +42,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 __all__ = ["CallFailed", "TokenizerProcess", "apply_chat_template", "check_body", "cpu_seconds",
-           "encode_json", "encode_tail"]
+           "encode_json", "encode_tail", "fast_tokenizer_json"]
 
 
 def encode_tail(tokenizer: Any, text: str, add_special_tokens: bool, keep: int
@@ -99,7 +106,9 @@ class TokenizerProcess:
     a broken process raises ``RuntimeError`` and is done.
     ``last_call_seconds``: the CPU time the last call took in the process."""
 
-    def __init__(self, pickled_tokenizer: bytes) -> None:
+    def __init__(self, pickled_tokenizer: bytes, fast_json: str | None = None) -> None:
+        """``pickled_tokenizer``: the server's tokenizer, pickled; ``fast_json``: its Rust
+        tokenizer's JSON (``fast_tokenizer_json``), for encoding without it."""
         self.last_call_seconds = 0.0
         # the file itself, not the package (whose import the child has no use for).
         # -P: its folder is not put on sys.path. A process group of its own: should the
@@ -111,7 +120,7 @@ class TokenizerProcess:
         self.broken = False
         # started before the first call: a call's time (paced, charged) is its own
         try:
-            self._send(pickled_tokenizer)
+            self._send((pickled_tokenizer, fast_json))
             assert self._process.stdout is not None
             ready = pickle.load(self._process.stdout)
         except (OSError, EOFError, pickle.UnpicklingError) as error:
@@ -197,8 +206,68 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def fast_tokenizer_json(tokenizer: Any) -> str | None:
+    """The JSON of ``tokenizer``'s Rust tokenizer where it encodes every probe (plain,
+    Unicode, spaces, each special token) as ``tokenizer.encode`` does, with and without
+    special tokens; None otherwise (a slow tokenizer, one that adds its own steps)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    to_str = getattr(backend, "to_str", None)
+    if not callable(to_str):
+        return None
+    try:
+        text = to_str()
+        fast = _fast_from(text)
+        specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if isinstance(t, str)]
+        probes = ["Hello, world!", "  the cat\n\n sat  on\tthe mat ", "ünïcödé 日本語 🙂 x",
+                  "a" + "b".join(specials) + "c", " ".join(specials)]
+        for probe in probes:
+            for special in (True, False):
+                if list(tokenizer.encode(probe, add_special_tokens=special)) != fast.encode(
+                        probe, add_special_tokens=special).ids:
+                    return None
+    except Exception:  # any failure means: send the whole tokenizer only
+        return None
+    return str(text)
+
+
+def _fast_from(text: str) -> Any:
+    import tokenizers
+
+    fast = tokenizers.Tokenizer.from_str(text)
+    fast.no_truncation()
+    fast.no_padding()
+    return fast
+
+
+class _Encoder:
+    """The child's tokenizer: the Rust one where the server sent it, else the whole
+    tokenizer, unpickled when first needed."""
+
+    def __init__(self, pickled: bytes, fast_json: str | None) -> None:
+        self._pickled = pickled
+        self._whole: Any = None
+        self._fast = None if fast_json is None else _fast_from(fast_json)
+        if self._fast is None:
+            self.whole()
+
+    def whole(self) -> Any:
+        if self._whole is None:
+            self._whole = pickle.loads(self._pickled)  # the server's own, pickled by it
+        return self._whole
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._fast is not None:
+            return list(self._fast.encode(text, add_special_tokens=add_special_tokens).ids)
+        return list(self.whole().encode(text, add_special_tokens=add_special_tokens))
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **arguments: Any
+                            ) -> Any:
+        return self.whole().apply_chat_template(conversation, **arguments)
+
+
 def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
-    tokenizer = pickle.loads(pickle.load(stdin))  # the server's own, pickled by it
+    pickled, fast_json = pickle.load(stdin)
+    encoder = _Encoder(pickled, fast_json)
     pickle.dump(_READY, stdout)
     stdout.flush()
     while True:
@@ -206,10 +275,12 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
             name, args = pickle.load(stdin)
         except EOFError:
             return
+        if name == "apply_chat_template":
+            encoder.whole()  # a one-time load, not the call's work
         started = time.process_time()
         value: object
         try:
-            ok, value = True, _CALLS[name](tokenizer, *args)
+            ok, value = True, _CALLS[name](encoder, *args)
         except Exception as error:
             ok, value = False, f"{type(error).__name__}: {error}"
         answer = (ok, value, time.process_time() - started)

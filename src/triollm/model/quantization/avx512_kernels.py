@@ -84,7 +84,9 @@ class Avx512Gemm(QuantizedGemm):
         return out.view(*x.shape[:-1], out_features)
 
     def _scratch_of(self, elements: int) -> torch.Tensor:
-        """This thread's bf16 scratch of at least ``elements``, kept for its next call."""
+        """This thread's bf16 scratch of at least ``elements`` (at most
+        ``SLICE_ELEMENTS``, or one block of 16 outputs), kept for its next call: a
+        model thread's prefill reuses it rather than fault in fresh pages per layer."""
         scratch: torch.Tensor | None = getattr(self._scratch, "tensor", None)
         if scratch is None or scratch.numel() < elements:
             scratch = torch.empty(elements, dtype=torch.bfloat16)
@@ -109,9 +111,9 @@ class Avx512Int8Kernel(Avx2Int8Kernel):
 @cache
 def load_avx512_gemm() -> QuantizedGemm | None:
     """The kernel for this machine, built on first use and checked against the
-    dequantized product; None where the CPU lacks AVX512-BF16, there is no C compiler,
-    or it disagrees."""
-    return load_checked("qgemm_avx512", "AVX512-BF16 int4/int8 kernel", Avx512Gemm,
+    dequantized product; None where the CPU lacks AVX-512 F or BW, there is no C
+    compiler, or it disagrees."""
+    return load_checked("qgemm_avx512", "AVX-512 int4/int8 kernel", Avx512Gemm,
                         lambda gemm: agrees_with_dequantized(
                             gemm, Avx512Int4Kernel.build, Avx512Int8Kernel.build),
                         fallback="the AVX2 or torch's int4/int8 kernels")
@@ -119,7 +121,7 @@ def load_avx512_gemm() -> QuantizedGemm | None:
 
 def avx512_kernel_for(weight: QuantizedWeight, dtype: torch.dtype
                       ) -> QuantizedKernel | None:
-    """The AVX512-BF16 kernel for ``weight`` computing in ``dtype`` (int4's where it
+    """The AVX-512 kernel for ``weight`` computing in ``dtype`` (int4's where it
     fits, else int8's), or None: not bf16, not this CPU, or a weight neither takes."""
     if dtype != torch.bfloat16 or weight.qweight.device.type != "cpu":
         return None

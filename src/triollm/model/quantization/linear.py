@@ -1,5 +1,5 @@
 """``QuantizedLinear``: a linear layer whose weight stays quantized, multiplied by the
-first kernel that takes it: the AVX512-BF16 kernel (avx512_kernels.py), the AVX2 one
+first kernel that takes it: the AVX-512 kernel (avx512_kernels.py), the AVX2 one
 (avx2_kernels.py), torch's CPU kernels (kernels.py).
 
 Like ``PackedLinear`` (model/cpu/packed_linear.py), its packed tensors are not something
