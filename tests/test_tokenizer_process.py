@@ -75,3 +75,17 @@ def test_a_tokenizer_whose_rust_tokenizer_disagrees_is_sent_whole() -> None:
     assert fast_tokenizer_json(object()) is None
     plain: Any = type("Plain", (), {"encode": lambda self, text, **_: [1]})()
     assert fast_tokenizer_json(plain) is None
+
+
+def test_a_requests_own_template_pays_for_loading_the_whole_tokenizer() -> None:
+    tokenizer = train_test_tokenizer()
+    conversation = [{"role": "user", "content": "hi"}]
+    arguments = {"tokenize": False, "chat_template": "{{ messages[0]['content'] }}"}
+    worker = TokenizerProcess(pickle.dumps(tokenizer), fast_tokenizer_json(tokenizer))
+    try:
+        _, text = worker.call("apply_request_chat_template", conversation, arguments)
+        first = worker.last_call_seconds
+        worker.call("apply_request_chat_template", conversation, arguments)
+        assert text == b"hi" and first > 0.2 and first > 5 * worker.last_call_seconds
+    finally:
+        worker.close()

@@ -118,12 +118,17 @@ class Offload:
         return await self._in_process("encode_json", text, add_special_tokens)
 
     async def render_in_process(self, conversation: list[dict[str, Any]],
-                                arguments: dict[str, Any]) -> str:
+                                arguments: dict[str, Any], *, request_template: bool = False
+                                ) -> str:
         """A conversation through the chat template in a worker process (a template
         from the request, or a very large conversation): pure-Python rendering in a
         thread here would take the GIL from the event loop and the model thread for as
-        long as it runs. ``CallFailed`` when the template raises."""
-        _, data = await self._in_process("apply_chat_template", conversation, arguments)
+        long as it runs. With ``request_template`` the worker's one-time load of the
+        whole tokenizer, where this call needs it first, is the call's (charged, and
+        paced); the server's own template renders without paying it. ``CallFailed``
+        when the template raises."""
+        name = "apply_request_chat_template" if request_template else "apply_chat_template"
+        _, data = await self._in_process(name, conversation, arguments)
         return data.decode("utf-8", "surrogatepass")
 
     async def check_body(self, body: bytes) -> tuple[str, str] | None:

@@ -7,9 +7,9 @@ The C library (``csrc/qgemm_avx512.c``) takes the AVX2 kernel's layouts
 library) and multiplies in fp32 FMAs, 16 outputs an instruction: a nibble becomes a
 float in one ternary-logic op (OR-ed into the bits of 1.0), an int8 in a widening and a
 conversion. A unit of work is one block of 16 outputs for up to 16 rows, 4 at a time.
-From ``DEQUANTIZE_FROM_ROWS`` rows (prefill) the weight is dequantized into bf16 instead,
-a slice of outputs at a time, for torch's ``linear`` (oneDNN, on AMX where the CPU has
-it). Threads split the units: torch's OpenMP threads, or the helper pool (helpers.py)
+On a CPU with AMX, from a few dozen rows (``DEQUANTIZE_INT4_FROM_ROWS``, prefill) the
+weight is dequantized into bf16 instead, a slice of outputs at a time, for torch's
+``linear`` (oneDNN, on AMX). Threads split the units: torch's OpenMP threads, or the helper pool (helpers.py)
 where the thread policy computes on one thread. Built where the CPU has AVX-512 F and
 BW and checked against the dequantized fp32 product at load (build.py's
 ``load_checked``); elsewhere, where it disagrees, and for float32 or float16
@@ -24,7 +24,7 @@ from functools import cache
 
 import torch
 
-from triollm.model.cpu.build import load_checked
+from triollm.model.cpu.build import cpu_flags, load_checked
 from triollm.model.quantization.avx2_kernels import (
     Avx2Int4Kernel,
     Avx2Int8Kernel,
@@ -34,13 +34,17 @@ from triollm.model.quantization.avx2_kernels import (
 from triollm.model.quantization.kernels import QuantizedKernel
 from triollm.model.quantization.weights import QuantizedWeight
 
-__all__ = ["DEQUANTIZE_FROM_ROWS", "Avx512Gemm", "Avx512Int4Kernel", "Avx512Int8Kernel",
-           "avx512_kernel_for", "load_avx512_gemm"]
+__all__ = ["DEQUANTIZE_INT4_FROM_ROWS", "DEQUANTIZE_INT8_FROM_ROWS", "Avx512Gemm",
+           "Avx512Int4Kernel", "Avx512Int8Kernel", "avx512_kernel_for", "load_avx512_gemm"]
 
-#: From this many rows a layer's weight is dequantized into bf16, a slice of outputs at a
-#: time, and multiplied by torch's bf16 ``linear`` (oneDNN, on AMX where the CPU has it),
-#: which outruns unpacking the weight once per 8 rows.
-DEQUANTIZE_FROM_ROWS = 64
+#: On a CPU with AMX, from this many rows a layer's weight is dequantized into bf16, a
+#: slice of outputs at a time, and multiplied by torch's bf16 ``linear`` (oneDNN, on
+#: AMX), which then outruns unpacking the weight once per 4 rows (measured on a
+#: Sapphire Rapids-class Xeon, Qwen2.5-0.5B's layer shapes: int4 even at 24-28 rows,
+#: 1.16x ahead at 32; int8 even at 16, 1.28x ahead at 24). Without AMX the kernel
+#: computes every row count (oneDNN's bf16 there was not measured against it).
+DEQUANTIZE_INT4_FROM_ROWS = 32
+DEQUANTIZE_INT8_FROM_ROWS = 20
 #: The most bf16 elements one slice of a dequantized weight takes (16 MiB).
 SLICE_ELEMENTS = 8 * 1024 * 1024
 
@@ -55,12 +59,18 @@ class Avx512Gemm(QuantizedGemm):
             ctypes.c_int]
         self._dequantize.restype = None
         self._scratch = threading.local()
+        #: Rows from which a layer is dequantized for torch's ``linear``, by layout
+        #: (None: never).
+        amx = "amx_bf16" in cpu_flags()
+        self.dequantize_int4_from: int | None = DEQUANTIZE_INT4_FROM_ROWS if amx else None
+        self.dequantize_int8_from: int | None = DEQUANTIZE_INT8_FROM_ROWS if amx else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                  out_features: int, group_size: int) -> torch.Tensor:
         in_features = x.shape[-1]
         rows = x.numel() // in_features
-        if rows < DEQUANTIZE_FROM_ROWS or in_features % 8:
+        threshold = self.dequantize_int4_from if group_size else self.dequantize_int8_from
+        if threshold is None or rows < threshold or in_features % 8:
             return super().__call__(x, weight, scales, out_features, group_size)
         if x.dtype != torch.bfloat16:
             raise ValueError(f"{self.entry} takes bf16 inputs, got {x.dtype}")
