@@ -13,7 +13,7 @@
    fp32, are multiplied by broadcast inputs into per-group sums, which the group's
    scale and zero term (times the group's input sum) fold into the output. Sums are
    fp32, the output is rounded to bf16 once (to nearest even). */
-#include "pool.h"
+#include "qgemm_common.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -145,16 +145,6 @@ static inline __attribute__((always_inline)) void q8_tile(
     }
 }
 
-/* The product's arguments, as the plain call and the pooled job both hold them. */
-typedef struct {
-    const float* xf;       /* [m][k] fp32 inputs */
-    const float* xs;       /* int4: [m][k/gsize] input sums per group */
-    const void* w;         /* the packed weight */
-    const void* scales;    /* int4: fp16 scales and zero terms; int8: fp32 scales */
-    uint16_t* y;           /* [m][n] bf16 */
-    int64_t m, n, k, gsize; /* gsize 0: int8 */
-} product;
-
 /* Rows [16 rb, 16 rb + 16) of output block u (a unit); a helper stores only once
    pool_commit says so. */
 static void product_unit(const product* a, int64_t unit, pool_job* job) {
@@ -194,78 +184,7 @@ static void product_unit(const product* a, int64_t unit, pool_job* job) {
                    _mm256_loadu_ps(out + 16 * (r - first) + 8));
 }
 
-static int64_t units_of(int64_t m, int64_t n) {
-    return n / 16 * ((m + MAX_ROWS - 1) / MAX_ROWS);
-}
-
-/* x (bf16) -> fp32; with gsize, each row's sum per group into xs. */
-static void widen(const uint16_t* x, float* xf, float* xs, int64_t m, int64_t k,
-                  int64_t gsize) {
-    for (int64_t i = 0; i < m * k; i++) {
-        const uint32_t bits = (uint32_t)x[i] << 16;
-        memcpy(xf + i, &bits, sizeof bits);
-    }
-    if (!gsize) return;
-    const int64_t groups = k / gsize;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            float sum = 0;
-            for (int64_t i = 0; i < gsize; i++) sum += xf[r * k + g * gsize + i];
-            xs[r * groups + g] = sum;
-        }
-}
-
-/* Floats the inputs take: fp32 rows and group sums. */
-static int64_t scratch_floats(int64_t m, int64_t k, int64_t gsize) {
-    return m * k + (gsize ? m * (k / gsize) : 0);
-}
-
-/* y[m, n] = x[m, k] @ W^T, bf16 in and out; gsize: the int4 group size (a multiple
-   of 8 dividing k), 0 for int8. Returns 0 where memory for the fp32 inputs ran out. */
-int triollm_qgemm_avx2(const uint16_t* x, const void* w, const void* scales, uint16_t* y,
-                       int64_t m, int64_t n, int64_t k, int64_t gsize, int threads)
-{
-    float* xf = (float*)malloc((size_t)scratch_floats(m, k, gsize) * sizeof(float));
-    if (xf == NULL) return 0;
-    widen(x, xf, xf + m * k, m, k, gsize);
-    const product a = {xf, xf + m * k, w, scales, y, m, n, k, gsize};
-    const int64_t units = units_of(m, n);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t unit = 0; unit < units; unit++) product_unit(&a, unit, NULL);
-    free(xf);
-    return 1;
-}
-
-typedef struct {
-    pool_job base;
-    product a;  /* its xf and xs point into the job: a helper may read them later */
-} product_job;
-
-static void product_job_unit(pool_job* base, int64_t unit, int helper) {
-    product_unit(&((product_job*)base)->a, unit, helper ? base : NULL);
-}
-
-/* triollm_qgemm_avx2 on the calling thread and up to `helpers` pool helpers; `w` and
-   `scales` must outlive the pool's next drain. */
-int triollm_qgemm_avx2_pooled(const uint16_t* x, const void* w, const void* scales,
-                              uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t gsize,
-                              int helpers)
-{
-    const int64_t units = units_of(m, n);
-    const size_t head = (sizeof(product_job) + (size_t)units + 63) & ~(size_t)63;
-    product_job* job = (product_job*)malloc(
-        head + (size_t)scratch_floats(m, k, gsize) * sizeof(float));
-    if (job == NULL) return triollm_qgemm_avx2(x, w, scales, y, m, n, k, gsize, 1);
-    job->base.run = product_job_unit;
-    job->base.units = units;
-    job->base.state = (_Atomic unsigned char*)(job + 1);
-    float* xf = (float*)((char*)job + head);
-    widen(x, xf, xf + m * k, m, k, gsize);
-    const product a = {xf, xf + m * k, w, scales, y, m, n, k, gsize};
-    job->a = a;
-    triollm_pool_run(&job->base, helpers);
-    return 1;
-}
+QGEMM_ENTRY_POINTS(triollm_qgemm_avx2)
 
 #else
 /* Stubs with the same signatures, never called (triollm_qgemm_avx2_supported says so). */

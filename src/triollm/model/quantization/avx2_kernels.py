@@ -37,7 +37,8 @@ from triollm.model.quantization.kernels import QuantizedKernel, _equal_groups
 from triollm.model.quantization.weights import QuantizedWeight
 
 __all__ = ["Avx2Int4Kernel", "Avx2Int8Kernel", "QuantizedGemm", "agrees_with_dequantized",
-           "avx2_kernel_for", "fits_fp16", "fp16_scales", "load_quantized_gemm"]
+           "avx2_kernel_for", "fits_fp16", "fp16_scales", "load_quantized_gemm",
+           "native_kernel_for"]
 
 _FP16_TINY = 2.0 ** -14  # fp16's smallest normal number
 _FP16_MAX = 65504.0
@@ -202,12 +203,21 @@ def load_quantized_gemm() -> QuantizedGemm | None:
                         fallback="torch's int4/int8 kernels")
 
 
-def avx2_kernel_for(weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedKernel | None:
-    """The AVX2 kernel for ``weight`` computing in ``dtype`` (int4's where it fits, else
-    int8's), or None: not bf16, not this CPU, or a weight neither takes."""
+def native_kernel_for(weight: QuantizedWeight, dtype: torch.dtype,
+                      load: Callable[[], QuantizedGemm | None], int4: type[Avx2Int4Kernel],
+                      int8: type[Avx2Int8Kernel]) -> QuantizedKernel | None:
+    """The kernel of the library ``load`` gives for ``weight`` computing in ``dtype``
+    (``int4``'s where it fits, else ``int8``'s), or None: not bf16, not this CPU, or a
+    weight neither takes."""
     if dtype != torch.bfloat16 or weight.qweight.device.type != "cpu":
         return None
-    gemm = load_quantized_gemm()
+    gemm = load()
     if gemm is None:
         return None
-    return Avx2Int4Kernel.build(gemm, weight) or Avx2Int8Kernel.build(gemm, weight)
+    return int4.build(gemm, weight) or int8.build(gemm, weight)
+
+
+def avx2_kernel_for(weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedKernel | None:
+    """``native_kernel_for`` on the AVX2 kernel."""
+    return native_kernel_for(weight, dtype, load_quantized_gemm, Avx2Int4Kernel,
+                             Avx2Int8Kernel)

@@ -4,14 +4,14 @@ torch's kernels (kernels.py) are bound by unpacking, far below memory speed
 
 The C library (``csrc/qgemm_avx512.c``) takes the AVX2 kernel's layouts
 (avx2_kernels.py: ``Avx512Int4Kernel`` and ``Avx512Int8Kernel`` are its kernels on this
-library) and multiplies in fp32 FMAs, 16 outputs an instruction: a nibble becomes a
-float in one ternary-logic op (OR-ed into the bits of 1.0), an int8 in a widening and a
-conversion. A unit of work is one block of 16 outputs for up to 16 rows, 4 at a time.
-On a CPU with AMX, from a few dozen rows (``DEQUANTIZE_INT4_FROM_ROWS``, prefill) the
-weight is dequantized into bf16 instead, a slice of outputs at a time, for torch's
-``linear`` (oneDNN, on AMX). Threads split the units: torch's OpenMP threads, or the helper pool (helpers.py)
-where the thread policy computes on one thread. Built where the CPU has AVX-512 F and
-BW and checked against the dequantized fp32 product at load (build.py's
+library) and multiplies in fp32 FMAs, 16 outputs an instruction: a nibble becomes its
+float by a table lookup after a shift, an int8 by a widening and a conversion. A unit
+of work is one block of 16 outputs for up to 16 rows, 4 at a time. On a CPU with AMX,
+from a few dozen rows (``DEQUANTIZE_INT4_FROM_ROWS``, prefill) the weight is
+dequantized into bf16 instead, a slice of outputs at a time, for torch's ``linear``
+(oneDNN, on AMX). Threads split the units: torch's OpenMP threads, or the helper pool
+(helpers.py) where the thread policy computes on one thread. Built where the CPU has
+AVX-512 F and BW and checked against the dequantized fp32 product at load (build.py's
 ``load_checked``); elsewhere, where it disagrees, and for float32 or float16
 activations, the AVX2 kernel or torch's kernels run.
 """
@@ -30,6 +30,7 @@ from triollm.model.quantization.avx2_kernels import (
     Avx2Int8Kernel,
     QuantizedGemm,
     agrees_with_dequantized,
+    native_kernel_for,
 )
 from triollm.model.quantization.kernels import QuantizedKernel
 from triollm.model.quantization.weights import QuantizedWeight
@@ -131,11 +132,6 @@ def load_avx512_gemm() -> QuantizedGemm | None:
 
 def avx512_kernel_for(weight: QuantizedWeight, dtype: torch.dtype
                       ) -> QuantizedKernel | None:
-    """The AVX-512 kernel for ``weight`` computing in ``dtype`` (int4's where it
-    fits, else int8's), or None: not bf16, not this CPU, or a weight neither takes."""
-    if dtype != torch.bfloat16 or weight.qweight.device.type != "cpu":
-        return None
-    gemm = load_avx512_gemm()
-    if gemm is None:
-        return None
-    return Avx512Int4Kernel.build(gemm, weight) or Avx512Int8Kernel.build(gemm, weight)
+    """avx2_kernels.py's ``native_kernel_for`` on the AVX-512 kernel."""
+    return native_kernel_for(weight, dtype, load_avx512_gemm, Avx512Int4Kernel,
+                             Avx512Int8Kernel)

@@ -1,0 +1,101 @@
+/* What the int4/int8 kernels (qgemm_avx2.c, qgemm_avx512.c) share around their tiles:
+   the product's arguments, the inputs widened to fp32 with their group sums, and the
+   plain (OpenMP) and pooled entry points, which QGEMM_ENTRY_POINTS defines over a
+   kernel's `product_unit` (one block of 16 outputs for up to MAX_ROWS rows; a helper,
+   job != NULL, stores only once pool_commit says so). */
+#ifndef TRIOLLM_QGEMM_COMMON_H
+#define TRIOLLM_QGEMM_COMMON_H
+
+#include "pool.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <stdint.h>
+
+/* The product's arguments, as the plain call and the pooled job both hold them. */
+typedef struct {
+    const float* xf;       /* [m][k] fp32 inputs */
+    const float* xs;       /* int4: [m][k/gsize] input sums per group */
+    const void* w;         /* the packed weight */
+    const void* scales;    /* int4: fp16 scales and zero terms; int8: fp32 scales */
+    uint16_t* y;           /* [m][n] bf16 */
+    int64_t m, n, k, gsize; /* gsize 0: int8 */
+} product;
+
+/* Units of work: blocks of 16 outputs by chunks of `rows` rows. */
+static inline int64_t qgemm_units(int64_t m, int64_t n, int64_t rows) {
+    return n / 16 * ((m + rows - 1) / rows);
+}
+
+/* x (bf16) -> fp32; with gsize, each row's input sum per group into xs. */
+static inline void qgemm_widen(const uint16_t* x, float* xf, float* xs, int64_t m,
+                               int64_t k, int64_t gsize) {
+    for (int64_t i = 0; i < m * k; i++) {
+        const uint32_t bits = (uint32_t)x[i] << 16;
+        memcpy(xf + i, &bits, sizeof bits);
+    }
+    if (!gsize) return;
+    const int64_t groups = k / gsize;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0;
+            for (int64_t i = 0; i < gsize; i++) sum += xf[r * k + g * gsize + i];
+            xs[r * groups + g] = sum;
+        }
+}
+
+/* Floats the inputs take: fp32 rows and group sums. */
+static inline int64_t qgemm_scratch_floats(int64_t m, int64_t k, int64_t gsize) {
+    return m * k + (gsize ? m * (k / gsize) : 0);
+}
+
+typedef struct {
+    pool_job base;
+    product a;  /* its xf and xs point into the job: a helper may read them later */
+} product_job;
+
+/* NAME(x, w, scales, y, m, n, k, gsize, threads): y[m, n] = x[m, k] @ W^T, bf16 in and
+   out; gsize: the int4 group size (a multiple of 8 dividing k), 0 for int8. Returns 0
+   where memory for the fp32 inputs ran out. NAME_pooled(..., helpers): the same on the
+   calling thread and up to `helpers` pool helpers; `w` and `scales` must outlive the
+   pool's next drain. */
+#define QGEMM_ENTRY_POINTS(NAME)                                                        \
+int NAME(const uint16_t* x, const void* w, const void* scales, uint16_t* y, int64_t m,  \
+         int64_t n, int64_t k, int64_t gsize, int threads)                              \
+{                                                                                       \
+    const size_t bytes = (size_t)qgemm_scratch_floats(m, k, gsize) * sizeof(float);    \
+    float* xf = (float*)malloc(bytes);                                                  \
+    if (xf == NULL) return 0;                                                           \
+    qgemm_widen(x, xf, xf + m * k, m, k, gsize);                                        \
+    const product a = {xf, xf + m * k, w, scales, y, m, n, k, gsize};                   \
+    const int64_t units = qgemm_units(m, n, MAX_ROWS);                                  \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
+    for (int64_t unit = 0; unit < units; unit++) product_unit(&a, unit, NULL);          \
+    free(xf);                                                                           \
+    return 1;                                                                           \
+}                                                                                       \
+                                                                                        \
+static void product_job_unit(pool_job* base, int64_t unit, int helper) {               \
+    product_unit(&((product_job*)base)->a, unit, helper ? base : NULL);                 \
+}                                                                                       \
+                                                                                        \
+int NAME##_pooled(const uint16_t* x, const void* w, const void* scales, uint16_t* y,    \
+                  int64_t m, int64_t n, int64_t k, int64_t gsize, int helpers)          \
+{                                                                                       \
+    const int64_t units = qgemm_units(m, n, MAX_ROWS);                                  \
+    const size_t head = (sizeof(product_job) + (size_t)units + 63) & ~(size_t)63;      \
+    product_job* job = (product_job*)malloc(                                            \
+        head + (size_t)qgemm_scratch_floats(m, k, gsize) * sizeof(float));              \
+    if (job == NULL) return NAME(x, w, scales, y, m, n, k, gsize, 1);                   \
+    job->base.run = product_job_unit;                                                   \
+    job->base.units = units;                                                            \
+    job->base.state = (_Atomic unsigned char*)(job + 1);                                \
+    float* xf = (float*)((char*)job + head);                                            \
+    qgemm_widen(x, xf, xf + m * k, m, k, gsize);                                        \
+    const product a = {xf, xf + m * k, w, scales, y, m, n, k, gsize};                   \
+    job->a = a;                                                                         \
+    triollm_pool_run(&job->base, helpers);                                              \
+    return 1;                                                                           \
+}
+
+#endif
