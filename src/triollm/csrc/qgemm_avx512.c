@@ -202,11 +202,11 @@ static inline void store_transposed(uint16_t* out, int64_t k, const __m512 w[8])
     }
 }
 
-/* Output block u of the weight, dequantized into rows [16 u, 16 u + 16) of out (bf16,
-   [n][k]); k a multiple of 8. */
+/* Output block u of the weight, dequantized into rows [16 (u - first), +16) of out
+   (bf16, [16 count][k]); k a multiple of 8. */
 static void dequantize_block(const void* w, const void* scales, uint16_t* out,
-                             int64_t u, int64_t k, int64_t gsize) {
-    uint16_t* rows = out + 16 * u * k;
+                             int64_t u, int64_t first, int64_t k, int64_t gsize) {
+    uint16_t* rows = out + 16 * (u - first) * k;
     const __m512i nibble = _mm512_set1_epi32(0xF);
     if (gsize) {
         const uint32_t* wu = (const uint32_t*)w + u * 2 * k;
@@ -248,7 +248,7 @@ void triollm_qdequantize_avx512(const void* w, const void* scales, uint16_t* out
 {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t u = first; u < first + count; u++)
-        dequantize_block(w, scales, out - 16 * first * k, u, k, gsize);
+        dequantize_block(w, scales, out, u, first, k, gsize);
 }
 
 #else

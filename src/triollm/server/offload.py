@@ -69,7 +69,8 @@ class Offload:
         self._processes = anyio.CapacityLimiter(processes)
         self._max_waiting = max_waiting
         self._pickled: bytes | None = None
-        self._fast_json: str | None = None
+        # checked here, before any thread encodes with the tokenizer at the same time
+        self._fast_json = fast_tokenizer_json(tokenizer)
         self._lock = threading.Lock()
         self._workers: list[TokenizerProcess] = []
         self._idle: list[TokenizerProcess] = []
@@ -118,17 +119,12 @@ class Offload:
         return await self._in_process("encode_json", text, add_special_tokens)
 
     async def render_in_process(self, conversation: list[dict[str, Any]],
-                                arguments: dict[str, Any], *, request_template: bool = False
-                                ) -> str:
+                                arguments: dict[str, Any]) -> str:
         """A conversation through the chat template in a worker process (a template
         from the request, or a very large conversation): pure-Python rendering in a
         thread here would take the GIL from the event loop and the model thread for as
-        long as it runs. With ``request_template`` the worker's one-time load of the
-        whole tokenizer, where this call needs it first, is the call's (charged, and
-        paced); the server's own template renders without paying it. ``CallFailed``
-        when the template raises."""
-        name = "apply_request_chat_template" if request_template else "apply_chat_template"
-        _, data = await self._in_process(name, conversation, arguments)
+        long as it runs. ``CallFailed`` when the template raises."""
+        _, data = await self._in_process("apply_chat_template", conversation, arguments)
         return data.decode("utf-8", "surrogatepass")
 
     async def check_body(self, body: bytes) -> tuple[str, str] | None:
@@ -218,6 +214,8 @@ class Offload:
         try:
             wait = (partial(self._pace.wait, work=work, abandoned=abandoned,
                             on_paced=on_paced) if os.name == "posix" else None)
+            if name == "apply_chat_template":
+                worker.load_whole()  # once per worker, neither paced nor charged
             return worker.call(name, *args, wait=wait)
         finally:
             took[0] = worker.last_call_seconds
@@ -234,7 +232,6 @@ class Offload:
                 return self._idle.pop()
             if self._pickled is None:
                 self._pickled = pickle.dumps(self.tokenizer)
-                self._fast_json = fast_tokenizer_json(self.tokenizer)
         worker = TokenizerProcess(self._pickled, self._fast_json)
         with self._lock:
             self._workers.append(worker)

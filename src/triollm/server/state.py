@@ -246,9 +246,7 @@ class ServerState:
         conversation, arguments = await self.offload.run(
             self._chat_template_call, messages, rendering)
         try:
-            return await self.offload.render_in_process(
-                conversation, arguments,
-                request_template=_request_template_field(rendering) is not None)
+            return await self.offload.render_in_process(conversation, arguments)
         except CallFailed as error:
             raise _cannot_apply_template(error) from error
 

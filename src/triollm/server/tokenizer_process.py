@@ -15,10 +15,10 @@ closes, so it never outlives the server.
 It starts in a tenth of a second: where the server's tokenizer is a fast one whose
 Rust tokenizer (``tokenizers``) encodes as it does (``fast_tokenizer_json`` checks on
 probes), the child encodes with that alone, and unpickles the whole tokenizer, which
-imports transformers (about 1.8 s of CPU), only for its first chat template: uncharged
-for the server's own template (a long conversation), charged and paced as the call's
-work for a request's own. A worker killed mid-call (its client left) is replaced at the
-next call; the replacement takes a tenth of a second of CPU nobody pays for, not 1.8 s.
+imports transformers (about 1.8 s of CPU), only before its first chat template
+(``load_whole``: a call of its own, neither paced nor charged, as starting a worker is
+not). A worker killed mid-call (its client left) is replaced at the next call; for
+encoding, the replacement takes a tenth of a second of CPU, not 1.8 s.
 
 It runs at the server's own priority: its work is what one client can make as large as
 it likes, and what keeps it from the model's cores is its pace (server/worker_pace.py),
@@ -89,11 +89,16 @@ def _body_text() -> Any:
     return module
 
 
+def load_whole(tokenizer: Any) -> tuple[int, bytes]:
+    """Unpickle the whole tokenizer now (for chat templates), if not done yet."""
+    tokenizer.whole()
+    return 0, b""
+
+
 _CALLS: dict[str, Callable[..., tuple[int, bytes]]] = {
     "encode_tail": encode_tail, "encode_json": encode_json,
-    "apply_chat_template": apply_chat_template,
-    # a request's own template: the one-time load of the whole tokenizer is the call's
-    "apply_request_chat_template": apply_chat_template, "check_body": check_body}
+    "apply_chat_template": apply_chat_template, "check_body": check_body,
+    "load_whole": load_whole}
 
 
 _READY = "ready"
@@ -113,6 +118,8 @@ class TokenizerProcess:
         """``pickled_tokenizer``: the server's tokenizer, pickled; ``fast_json``: its Rust
         tokenizer's JSON (``fast_tokenizer_json``), for encoding without it."""
         self.last_call_seconds = 0.0
+        #: Whether the process holds the whole tokenizer (chat templates need it).
+        self.whole_loaded = fast_json is None
         # the file itself, not the package (whose import the child has no use for).
         # -P: its folder is not put on sys.path. A process group of its own: should the
         # server die while the process is stopped (server/worker_pace.py), the group is
@@ -170,6 +177,19 @@ class TokenizerProcess:
         if not ok:
             raise CallFailed(f"the tokenizer failed: {value}")
         return value
+
+    def load_whole(self) -> None:
+        """Have the process unpickle the whole tokenizer, if it has not (unpaced);
+        ``RuntimeError`` where it cannot."""
+        if self.whole_loaded:
+            return
+        try:
+            self.call("load_whole")
+        except CallFailed as error:
+            self.kill()
+            raise RuntimeError(f"the tokenizer process could not load the tokenizer: "
+                               f"{error}") from error
+        self.whole_loaded = True
 
     def _answer_started(self, timeout: float) -> bool:
         # poll, not select: the pipe's descriptor may be past select's 1023
@@ -256,6 +276,7 @@ class _Encoder:
     def whole(self) -> Any:
         if self._whole is None:
             self._whole = pickle.loads(self._pickled)  # the server's own, pickled by it
+            self._pickled = b""
         return self._whole
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -278,8 +299,6 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
             name, args = pickle.load(stdin)
         except EOFError:
             return
-        if name == "apply_chat_template":
-            encoder.whole()  # a one-time load, not the work of the server's template
         started = time.process_time()
         value: object
         try:

@@ -25,6 +25,7 @@ from functools import cache
 import torch
 
 from triollm.model.cpu.build import cpu_flags, load_checked
+from triollm.model.cpu.helpers import spare_threads
 from triollm.model.quantization.avx2_kernels import (
     Avx2Int4Kernel,
     Avx2Int8Kernel,
@@ -71,7 +72,8 @@ class Avx512Gemm(QuantizedGemm):
         in_features = x.shape[-1]
         rows = x.numel() // in_features
         threshold = self.dequantize_int4_from if group_size else self.dequantize_int8_from
-        if threshold is None or rows < threshold or in_features % 8:
+        # with pool helpers (a busy neighbour) torch's linear would compute on one thread
+        if threshold is None or rows < threshold or in_features % 8 or spare_threads():
             return super().__call__(x, weight, scales, out_features, group_size)
         if x.dtype != torch.bfloat16:
             raise ValueError(f"{self.entry} takes bf16 inputs, got {x.dtype}")
