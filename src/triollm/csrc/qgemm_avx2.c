@@ -145,44 +145,12 @@ static inline __attribute__((always_inline)) void q8_tile(
     }
 }
 
-/* Rows [16 rb, 16 rb + 16) of output block u (a unit); a helper stores only once
-   pool_commit says so. */
-static void product_unit(const product* a, int64_t unit, pool_job* job) {
-    const int64_t blocks = (a->m + MAX_ROWS - 1) / MAX_ROWS;
-    const int64_t u = unit / blocks, first = unit % blocks * MAX_ROWS;
-    const int64_t last = a->m < first + MAX_ROWS ? a->m : first + MAX_ROWS;
-    float out[MAX_ROWS * 16];
-    for (int64_t m0 = first; m0 < last; m0 += CHUNK) {
-        const int rows = last - m0 < CHUNK ? (int)(last - m0) : CHUNK;
-        float* o = out + 16 * (m0 - first);
-        const float* x = a->xf + m0 * a->k;
-        if (a->gsize) {
-            const int64_t groups = a->k / a->gsize;
-            const uint32_t* w = (const uint32_t*)a->w + u * 2 * a->k;
-            const uint16_t* sz = (const uint16_t*)a->scales + u * 32 * groups;
-            const float* xs = a->xs + m0 * groups;
-            switch (rows) {
-            case 1: q4_tile(x, xs, w, sz, o, 1, a->k, a->gsize); break;
-            case 2: q4_tile(x, xs, w, sz, o, 2, a->k, a->gsize); break;
-            case 3: q4_tile(x, xs, w, sz, o, 3, a->k, a->gsize); break;
-            default: q4_tile(x, xs, w, sz, o, CHUNK, a->k, a->gsize); break;
-            }
-        } else {
-            const int8_t* w = (const int8_t*)a->w + u * 16 * a->k;
-            const float* s = (const float*)a->scales + 16 * u;
-            switch (rows) {
-            case 1: q8_tile(x, w, s, o, 1, a->k); break;
-            case 2: q8_tile(x, w, s, o, 2, a->k); break;
-            case 3: q8_tile(x, w, s, o, 3, a->k); break;
-            default: q8_tile(x, w, s, o, CHUNK, a->k); break;
-            }
-        }
-    }
-    if (job && !pool_commit(job, unit)) return;
-    for (int64_t r = first; r < last; r++)
-        store_bf16(a->y + r * a->n + 16 * u, _mm256_loadu_ps(out + 16 * (r - first)),
-                   _mm256_loadu_ps(out + 16 * (r - first) + 8));
+/* One row's 16 sums, rounded to bf16, into y. */
+static inline void store_sums(uint16_t* y, const float* sums) {
+    store_bf16(y, _mm256_loadu_ps(sums), _mm256_loadu_ps(sums + 8));
 }
+
+QGEMM_PRODUCT_UNIT(float, 16)
 
 QGEMM_ENTRY_POINTS(triollm_qgemm_avx2)
 

@@ -128,43 +128,12 @@ static inline __m256i to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(rounded);
 }
 
-/* Rows [16 rb, 16 rb + 16) of output block u (a unit); a helper stores only once
-   pool_commit says so. */
-static void product_unit(const product* a, int64_t unit, pool_job* job) {
-    const int64_t blocks = (a->m + MAX_ROWS - 1) / MAX_ROWS;
-    const int64_t u = unit / blocks, first = unit % blocks * MAX_ROWS;
-    const int64_t last = a->m < first + MAX_ROWS ? a->m : first + MAX_ROWS;
-    __m512 out[MAX_ROWS];
-    for (int64_t m0 = first; m0 < last; m0 += CHUNK) {
-        const int rows = last - m0 < CHUNK ? (int)(last - m0) : CHUNK;
-        __m512* o = out + (m0 - first);
-        const float* x = a->xf + m0 * a->k;
-        if (a->gsize) {
-            const int64_t groups = a->k / a->gsize;
-            const uint32_t* w = (const uint32_t*)a->w + u * 2 * a->k;
-            const uint16_t* sz = (const uint16_t*)a->scales + u * 32 * groups;
-            const float* xs = a->xs + m0 * groups;
-            switch (rows) {
-            case 1: q4_tile(x, xs, w, sz, o, 1, a->k, a->gsize); break;
-            case 2: q4_tile(x, xs, w, sz, o, 2, a->k, a->gsize); break;
-            case 3: q4_tile(x, xs, w, sz, o, 3, a->k, a->gsize); break;
-            default: q4_tile(x, xs, w, sz, o, CHUNK, a->k, a->gsize); break;
-            }
-        } else {
-            const int8_t* w = (const int8_t*)a->w + u * 16 * a->k;
-            const float* s = (const float*)a->scales + 16 * u;
-            switch (rows) {
-            case 1: q8_tile(x, w, s, o, 1, a->k); break;
-            case 2: q8_tile(x, w, s, o, 2, a->k); break;
-            case 3: q8_tile(x, w, s, o, 3, a->k); break;
-            default: q8_tile(x, w, s, o, CHUNK, a->k); break;
-            }
-        }
-    }
-    if (job && !pool_commit(job, unit)) return;
-    for (int64_t r = first; r < last; r++)
-        _mm256_storeu_si256((__m256i*)(a->y + r * a->n + 16 * u), to_bf16(out[r - first]));
+/* One row's sums, rounded to bf16, into y. */
+static inline void store_sums(uint16_t* y, const __m512* sums) {
+    _mm256_storeu_si256((__m256i*)y, to_bf16(*sums));
 }
+
+QGEMM_PRODUCT_UNIT(__m512, 1)
 
 QGEMM_ENTRY_POINTS(triollm_qgemm_avx512)
 

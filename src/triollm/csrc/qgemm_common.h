@@ -1,8 +1,7 @@
 /* What the int4/int8 kernels (qgemm_avx2.c, qgemm_avx512.c) share around their tiles:
-   the product's arguments, the inputs widened to fp32 with their group sums, and the
-   plain (OpenMP) and pooled entry points, which QGEMM_ENTRY_POINTS defines over a
-   kernel's `product_unit` (one block of 16 outputs for up to MAX_ROWS rows; a helper,
-   job != NULL, stores only once pool_commit says so). */
+   the product's arguments, the inputs widened to fp32 with their group sums, a unit of
+   work (QGEMM_PRODUCT_UNIT, over a kernel's tiles) and the plain (OpenMP) and pooled
+   entry points over it (QGEMM_ENTRY_POINTS). */
 #ifndef TRIOLLM_QGEMM_COMMON_H
 #define TRIOLLM_QGEMM_COMMON_H
 
@@ -53,6 +52,47 @@ typedef struct {
     pool_job base;
     product a;  /* its xf and xs point into the job: a helper may read them later */
 } product_job;
+
+/* product_unit(a, unit, job): rows [16 rb, 16 rb + 16) of output block u (a unit), over
+   a kernel's q4_tile and q8_tile (rows 1-3 and CHUNK at a time) into sums of type OUT,
+   OUT_PER_ROW of them a row, then its store_sums(y, sums) of each row; a helper stores
+   only once pool_commit says so. */
+#define QGEMM_PRODUCT_UNIT(OUT, OUT_PER_ROW)                                            \
+static void product_unit(const product* a, int64_t unit, pool_job* job) {              \
+    const int64_t blocks = (a->m + MAX_ROWS - 1) / MAX_ROWS;                            \
+    const int64_t u = unit / blocks, first = unit % blocks * MAX_ROWS;                  \
+    const int64_t last = a->m < first + MAX_ROWS ? a->m : first + MAX_ROWS;            \
+    OUT out[MAX_ROWS * (OUT_PER_ROW)];                                                  \
+    for (int64_t m0 = first; m0 < last; m0 += CHUNK) {                                  \
+        const int rows = last - m0 < CHUNK ? (int)(last - m0) : CHUNK;                  \
+        OUT* o = out + (OUT_PER_ROW) * (m0 - first);                                    \
+        const float* x = a->xf + m0 * a->k;                                             \
+        if (a->gsize) {                                                                 \
+            const int64_t groups = a->k / a->gsize;                                     \
+            const uint32_t* w = (const uint32_t*)a->w + u * 2 * a->k;                   \
+            const uint16_t* sz = (const uint16_t*)a->scales + u * 32 * groups;          \
+            const float* xs = a->xs + m0 * groups;                                      \
+            switch (rows) {                                                             \
+            case 1: q4_tile(x, xs, w, sz, o, 1, a->k, a->gsize); break;                 \
+            case 2: q4_tile(x, xs, w, sz, o, 2, a->k, a->gsize); break;                 \
+            case 3: q4_tile(x, xs, w, sz, o, 3, a->k, a->gsize); break;                 \
+            default: q4_tile(x, xs, w, sz, o, CHUNK, a->k, a->gsize); break;            \
+            }                                                                           \
+        } else {                                                                        \
+            const int8_t* w = (const int8_t*)a->w + u * 16 * a->k;                      \
+            const float* s = (const float*)a->scales + 16 * u;                          \
+            switch (rows) {                                                             \
+            case 1: q8_tile(x, w, s, o, 1, a->k); break;                                \
+            case 2: q8_tile(x, w, s, o, 2, a->k); break;                                \
+            case 3: q8_tile(x, w, s, o, 3, a->k); break;                                \
+            default: q8_tile(x, w, s, o, CHUNK, a->k); break;                           \
+            }                                                                           \
+        }                                                                               \
+    }                                                                                   \
+    if (job && !pool_commit(job, unit)) return;                                         \
+    for (int64_t r = first; r < last; r++)                                              \
+        store_sums(a->y + r * a->n + 16 * u, out + (OUT_PER_ROW) * (r - first));        \
+}
 
 /* NAME(x, w, scales, y, m, n, k, gsize, threads): y[m, n] = x[m, k] @ W^T, bf16 in and
    out; gsize: the int4 group size (a multiple of 8 dividing k), 0 for int8. Returns 0
