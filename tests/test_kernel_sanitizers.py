@@ -3,7 +3,7 @@ and under AddressSanitizer with UndefinedBehaviorSanitizer: ``tests/csrc/pool_dr
 runs jobs on helpers (two callers at once, helpers that stall so the caller takes their
 units back, drains) and decode attention on the pool against its OpenMP entry point;
 ``tests/csrc/qgemm_driver.c`` runs both quantized layouts of each int4/int8 kernel
-(AVX2's, AVX512-BF16's, where the CPU has it) on stalling helpers against
+(AVX2's, AVX-512's and VNNI's, where the CPU has it) on stalling helpers against
 one OpenMP thread and an exact product. Each must give the right answers and the
 sanitizer must report nothing."""
 
@@ -42,7 +42,8 @@ def _has_runtime(sanitizer: str, work: Path) -> bool:
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
 @pytest.mark.parametrize(("driver", "kernel"), [
     ("pool_driver.c", "decode.c"), ("qgemm_driver.c", "qgemm_avx2.c"),
-    ("qgemm_driver.c", "qgemm_avx512.c")], ids=["decode", "qgemm_avx2", "qgemm_avx512"])
+    ("qgemm_driver.c", "qgemm_avx512.c"), ("qgemm_driver.c", "qgemm_vnni.c")],
+    ids=["decode", "qgemm_avx2", "qgemm_avx512", "qgemm_vnni"])
 def test_the_pool_and_a_kernel_run_clean_under_a_sanitizer(
         sanitizer: str, driver: str, kernel: str, tmp_path: Path) -> None:
     if not _has_runtime(sanitizer, tmp_path):
@@ -52,7 +53,7 @@ def test_the_pool_and_a_kernel_run_clean_under_a_sanitizer(
         [_compiler(), "-O1", "-g", "-march=native", "-fno-omit-frame-pointer",
          f"-fsanitize={sanitizer}", "-fno-sanitize-recover=all", "-fopenmp", "-std=c11",
          "-Wall", "-Wextra", "-Werror", f"-I{CSRC}", f"-DQGEMM=triollm_{Path(kernel).stem}",
-         str(DRIVERS / driver),
+         f"-DINT8_WIDTHS={8 if kernel == 'qgemm_vnni.c' else 2}", str(DRIVERS / driver),
          str(CSRC / "pool.c"), str(CSRC / kernel), "-lm", "-o", str(program)],
         check=True, capture_output=True, text=True, timeout=300)
     environment = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66",

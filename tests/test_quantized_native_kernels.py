@@ -1,9 +1,9 @@
-"""triollm's own int4/int8 kernels, AVX2's (model/quantization/avx2_kernels.py) and
-AVX-512's (avx512_kernels.py), each give the dequantized fp32 product to bf16
-rounding for any shape, group size and row count it takes (act order included), the
-same bits on helper threads as on OpenMP; bf16 layers run on the one this CPU has,
-float32 ones and weights whose scales fp16 cannot hold on torch's kernels. Each test
-runs for the kernel the CPU has and skips the other."""
+"""triollm's own int4/int8 kernels, AVX2's (model/quantization/avx2_kernels.py),
+AVX-512's (avx512_kernels.py) and VNNI's (vnni_kernels.py), each give the dequantized
+fp32 product to bf16 rounding for any shape, group size and row count it takes (act
+order included), the same bits on helper threads as on OpenMP; bf16 layers run on the
+best one this CPU has, float32 ones and weights whose scales fp16 cannot hold on
+torch's kernels. Each test runs for the kernels the CPU has and skips the others."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from triollm.model.cpu import build
 from triollm.model.cpu import helpers as cpu_helpers
-from triollm.model.quantization import avx2_kernels, avx512_kernels
+from triollm.model.quantization import avx2_kernels, avx512_kernels, vnni_kernels
 from triollm.model.quantization.avx2_kernels import (
     Avx2Int4Kernel,
     Avx2Int8Kernel,
@@ -33,6 +33,11 @@ from triollm.model.quantization.avx512_kernels import (
 from triollm.model.quantization.kernels import QuantizedKernel
 from triollm.model.quantization.linear import QuantizedLinear, quantized_or_plain
 from triollm.model.quantization.quantize import quantize_weight
+from triollm.model.quantization.vnni_kernels import (
+    VnniInt4Kernel,
+    VnniInt8Kernel,
+    load_vnni_gemm,
+)
 from triollm.model.quantization.weights import QuantizedWeight
 
 Build = Callable[[QuantizedGemm, QuantizedWeight], QuantizedKernel | None]
@@ -64,7 +69,18 @@ AVX2 = Native("avx2", load_quantized_gemm, Avx2Int4Kernel.build, Avx2Int8Kernel.
               "AVX2, FMA and F16C without AVX-512")
 AVX512 = Native("avx512", load_avx512_gemm, Avx512Int4Kernel.build, Avx512Int8Kernel.build,
                 "AVX-512 F and BW")
-each_native = pytest.mark.parametrize("native", [AVX2, AVX512], ids=["avx2", "avx512"])
+VNNI = Native("vnni", load_vnni_gemm, VnniInt4Kernel.build, VnniInt8Kernel.build,
+              "AVX-512 F, BW, VBMI and VNNI")
+each_native = pytest.mark.parametrize("native", [AVX2, AVX512, VNNI],
+                                      ids=["avx2", "avx512", "vnni"])
+
+
+def _best_native() -> Native:
+    """The kernel ``quantized_or_plain`` takes on this CPU (skips without any)."""
+    for native in (VNNI, AVX512, AVX2):
+        if native.load() is not None:
+            return native
+    pytest.skip("no kernel of triollm's own for this CPU")
 
 
 def _weight(bits: int, out_features: int, in_features: int, group_size: int,
@@ -127,7 +143,7 @@ def test_helpers_give_the_bits_of_openmp(native: Native, rows: int, bits: int, b
     kernel = native.build(bits, weight)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
     gemm = native.gemm()
-    if isinstance(gemm, avx512_kernels.Avx512Gemm):
+    if isinstance(gemm, avx512_kernels.Avx512Gemm):  # the VNNI kernel's too
         saved = gemm.dequantize_int4_from, gemm.dequantize_int8_from
         gemm.dequantize_int4_from = gemm.dequantize_int8_from = None
         try:
@@ -144,9 +160,8 @@ def test_helpers_give_the_bits_of_openmp(native: Native, rows: int, bits: int, b
     assert torch.equal(got, expected)
 
 
-@each_native
-def test_bf16_layers_run_on_it_and_float32_ones_on_torchs_kernels(native: Native) -> None:
-    native.gemm()
+def test_bf16_layers_run_on_the_best_and_float32_ones_on_torchs_kernels() -> None:
+    native = _best_native()
     for bits, group_size in ((4, 128), (4, -1), (8, -1)):
         weight = _weight(bits, 32, 256, group_size, False, 0)
         bf16 = quantized_or_plain(weight, torch.randn(32), torch.bfloat16)
@@ -172,18 +187,19 @@ def test_a_cpu_without_avx2_or_avx512_keeps_torchs_kernels(
     flags = {"sse4_2", "f16c"}
     monkeypatch.setattr(avx2_kernels, "cpu_flags", lambda: flags)
     monkeypatch.setattr(build, "cpu_flags", lambda: flags)
-    load_quantized_gemm.cache_clear()
-    load_avx512_gemm.cache_clear()
+    loaders = (load_quantized_gemm, load_avx512_gemm, load_vnni_gemm)
+    for load in loaders:
+        load.cache_clear()
     try:
-        assert load_quantized_gemm() is None and load_avx512_gemm() is None
+        assert all(load() is None for load in loaders)
         layer = quantized_or_plain(_weight(4, 16, 64, 32, False, 0), None, torch.bfloat16)
         assert isinstance(layer, QuantizedLinear) and layer.kernel.name == "int4"
     finally:
-        load_quantized_gemm.cache_clear()
-        load_avx512_gemm.cache_clear()
+        for load in loaders:
+            load.cache_clear()
 
 
-def test_an_avx512_cpu_takes_the_avx512_kernel_not_the_avx2_one(
+def test_an_avx512_cpu_takes_an_avx512_kernel_not_the_avx2_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     AVX512.gemm()
     monkeypatch.setattr(avx2_kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
@@ -191,7 +207,8 @@ def test_an_avx512_cpu_takes_the_avx512_kernel_not_the_avx2_one(
     try:
         assert load_quantized_gemm() is None
         layer = quantized_or_plain(_weight(4, 16, 64, 32, False, 0), None, torch.bfloat16)
-        assert isinstance(layer, QuantizedLinear) and layer.kernel.name == "int4-avx512"
+        assert isinstance(layer, QuantizedLinear)
+        assert layer.kernel.name == f"int4-{_best_native().suffix}"
     finally:
         load_quantized_gemm.cache_clear()
 
@@ -231,3 +248,61 @@ def test_the_row_thresholds_follow_the_cpu() -> None:
                                          else None)
     assert gemm.dequantize_int8_from == (avx512_kernels.DEQUANTIZE_INT8_FROM_ROWS if amx
                                          else None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), bits=st.sampled_from([4, 8]), blocks=st.integers(1, 3),
+       octets=st.integers(1, 40), spread=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_the_vnni_kernel_rounds_each_input_by_at_most_2_14_of_its_blocks_largest(
+        rows: int, bits: int, blocks: int, octets: int, spread: int, seed: int) -> None:
+    """Inputs spanning ``spread`` binades (outliers, tiny values, zeros): each output is
+    within bf16's rounding of itself plus, per block of inputs, 2^-14 of the block's
+    largest input times the block's summed weight magnitudes."""
+    in_features = 8 * octets
+    group_size = in_features if bits == 8 or octets % 2 else in_features // 2
+    weight = _weight(bits, 16 * blocks, in_features, group_size if bits == 4 else -1,
+                     False, seed)
+    kernel = VNNI.build(bits, weight)
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, in_features, generator=generator)
+         * 2.0 ** torch.randint(-spread, 1, (rows, in_features), generator=generator)
+         * (torch.rand(rows, in_features, generator=generator) > 0.1)).bfloat16()
+    dense = weight.dequantize()
+    if bits == 4:  # as the kernel holds it: scales and zero terms in fp16
+        scales = weight.scales.float()
+        dense = (weight.qweight.float()
+                 * scales.half().float().repeat_interleave(group_size, 1)
+                 - (scales * weight.zeros.float()).half().float()
+                 .repeat_interleave(group_size, 1))
+    expected = nn.functional.linear(x.float(), dense)
+    size = 128
+    while in_features % size or (bits == 4 and group_size % size):
+        size //= 2
+    largest = x.float().abs().view(rows, -1, size).amax(-1)
+    magnitudes = dense.abs().view(dense.shape[0], -1, size).sum(-1)
+    bound = 2.0 ** -14 * largest @ magnitudes.T
+    error = (kernel(x).float() - expected).abs()
+    assert bool((error <= 2.0 ** -8 * expected.abs() + 1.001 * bound + 1e-30).all())
+
+
+def test_the_vnni_kernel_keeps_non_finite_inputs_to_their_rows() -> None:
+    for bits in (4, 8):
+        weight = _weight(bits, 32, 256, 128 if bits == 4 else -1, False, 0)
+        kernel = VNNI.build(bits, weight)
+        x = torch.randn(3, 256).bfloat16()
+        x[1, 5] = float("nan")
+        x[2, 200] = float("inf")
+        got = kernel(x)
+        assert bool(got[1].isnan().all()) and bool(got[2].isnan().all())
+        expected = nn.functional.linear(x[:1].float(), weight.dequantize())
+        torch.testing.assert_close(got[:1].float(), expected, rtol=1e-2,
+                                   atol=1e-2 * float(expected.abs().max()))
+
+
+def test_vnni_int8_widths_off_a_multiple_of_8_take_the_fp32_kernel() -> None:
+    gemm = VNNI.gemm()
+    assert isinstance(gemm, vnni_kernels.VnniGemm)
+    weight = _weight(8, 16, 36, -1, False, 0)
+    kernel = VNNI.build(8, weight)
+    x = torch.randn(2, 36).bfloat16()
+    assert torch.equal(kernel(x), gemm.fp32(x, kernel.weight, kernel.scales, 16, 0))

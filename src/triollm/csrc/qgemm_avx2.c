@@ -152,7 +152,7 @@ static inline void store_sums(uint16_t* y, const float* sums) {
 
 QGEMM_PRODUCT_UNIT(float, 16)
 
-QGEMM_ENTRY_POINTS(triollm_qgemm_avx2)
+QGEMM_ENTRY_POINTS(triollm_qgemm_avx2, qgemm_widened_bytes, qgemm_prepare_widened)
 
 #else
 /* Stubs with the same signatures, never called (triollm_qgemm_avx2_supported says so). */

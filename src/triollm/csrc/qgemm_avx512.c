@@ -135,7 +135,7 @@ static inline void store_sums(uint16_t* y, const __m512* sums) {
 
 QGEMM_PRODUCT_UNIT(__m512, 1)
 
-QGEMM_ENTRY_POINTS(triollm_qgemm_avx512)
+QGEMM_ENTRY_POINTS(triollm_qgemm_avx512, qgemm_widened_bytes, qgemm_prepare_widened)
 
 /* w[i] (i < 8): 16 outputs' fp32 weights of inputs c + i, stored as rows j of out
    (bf16, stride k), 8 from column c. */

@@ -1,7 +1,8 @@
-/* What the int4/int8 kernels (qgemm_avx2.c, qgemm_avx512.c) share around their tiles:
-   the product's arguments, the inputs widened to fp32 with their group sums, a unit of
-   work (QGEMM_PRODUCT_UNIT, over a kernel's tiles) and the plain (OpenMP) and pooled
-   entry points over it (QGEMM_ENTRY_POINTS). */
+/* What the int4/int8 kernels (qgemm_avx2.c, qgemm_avx512.c, qgemm_vnni.c) share around
+   their tiles: the product's arguments, the inputs widened to fp32 with their group sums
+   (the fp32 kernels' prepared inputs), a unit of work over fp32 inputs
+   (QGEMM_PRODUCT_UNIT, over a kernel's tiles) and the plain (OpenMP) and pooled entry
+   points over any kernel's product_unit and prepared inputs (QGEMM_ENTRY_POINTS). */
 #ifndef TRIOLLM_QGEMM_COMMON_H
 #define TRIOLLM_QGEMM_COMMON_H
 
@@ -13,8 +14,9 @@
 
 /* The product's arguments, as the plain call and the pooled job both hold them. */
 typedef struct {
-    const float* xf;       /* [m][k] fp32 inputs */
-    const float* xs;       /* int4: [m][k/gsize] input sums per group */
+    const void* xin;       /* the prepared inputs: fp32 [m][k] for the fp32 kernels */
+    const float* xs;       /* their per-row terms: fp32 kernels, int4: [m][k/gsize] input
+                              sums per group */
     const void* w;         /* the packed weight */
     const void* scales;    /* int4: fp16 scales and zero terms; int8: fp32 scales */
     uint16_t* y;           /* [m][n] bf16 */
@@ -43,14 +45,23 @@ static inline void qgemm_widen(const uint16_t* x, float* xf, float* xs, int64_t 
         }
 }
 
-/* Floats the inputs take: fp32 rows and group sums. */
-static inline int64_t qgemm_scratch_floats(int64_t m, int64_t k, int64_t gsize) {
-    return m * k + (gsize ? m * (k / gsize) : 0);
+/* Bytes the fp32 kernels' prepared inputs take: fp32 rows and group sums. */
+static inline size_t qgemm_widened_bytes(int64_t m, int64_t k, int64_t gsize) {
+    return (size_t)(m * k + (gsize ? m * (k / gsize) : 0)) * sizeof(float);
+}
+
+/* The fp32 kernels' prepared inputs into scratch (qgemm_widened_bytes of it), pointed
+   to by a. */
+static inline void qgemm_prepare_widened(const uint16_t* x, void* scratch, product* a) {
+    float* xf = (float*)scratch;
+    qgemm_widen(x, xf, xf + a->m * a->k, a->m, a->k, a->gsize);
+    a->xin = xf;
+    a->xs = xf + a->m * a->k;
 }
 
 typedef struct {
     pool_job base;
-    product a;  /* its xf and xs point into the job: a helper may read them later */
+    product a;  /* its xin and xs point into the job: a helper may read them later */
 } product_job;
 
 /* product_unit(a, unit, job): rows [16 rb, 16 rb + 16) of output block u (a unit), over
@@ -66,7 +77,7 @@ static void product_unit(const product* a, int64_t unit, pool_job* job) {       
     for (int64_t m0 = first; m0 < last; m0 += CHUNK) {                                  \
         const int rows = last - m0 < CHUNK ? (int)(last - m0) : CHUNK;                  \
         OUT* o = out + (OUT_PER_ROW) * (m0 - first);                                    \
-        const float* x = a->xf + m0 * a->k;                                             \
+        const float* x = (const float*)a->xin + m0 * a->k;                                             \
         if (a->gsize) {                                                                 \
             const int64_t groups = a->k / a->gsize;                                     \
             const uint32_t* w = (const uint32_t*)a->w + u * 2 * a->k;                   \
@@ -96,22 +107,22 @@ static void product_unit(const product* a, int64_t unit, pool_job* job) {       
 
 /* NAME(x, w, scales, y, m, n, k, gsize, threads): y[m, n] = x[m, k] @ W^T, bf16 in and
    out; gsize: the int4 group size (a multiple of 8 dividing k), 0 for int8. Returns 0
-   where memory for the fp32 inputs ran out. NAME_pooled(..., helpers): the same on the
-   calling thread and up to `helpers` pool helpers; `w` and `scales` must outlive the
-   pool's next drain. */
-#define QGEMM_ENTRY_POINTS(NAME)                                                        \
+   where memory for the prepared inputs ran out. NAME_pooled(..., helpers): the same on
+   the calling thread and up to `helpers` pool helpers; `w` and `scales` must outlive the
+   pool's next drain. Over the kernel's product_unit, with its inputs prepared by
+   PREPARE(x, scratch, &a) into SCRATCH_BYTES(m, k, gsize) bytes. */
+#define QGEMM_ENTRY_POINTS(NAME, SCRATCH_BYTES, PREPARE)                                \
 int NAME(const uint16_t* x, const void* w, const void* scales, uint16_t* y, int64_t m,  \
          int64_t n, int64_t k, int64_t gsize, int threads)                              \
 {                                                                                       \
-    const size_t bytes = (size_t)qgemm_scratch_floats(m, k, gsize) * sizeof(float);    \
-    float* xf = (float*)malloc(bytes);                                                  \
-    if (xf == NULL) return 0;                                                           \
-    qgemm_widen(x, xf, xf + m * k, m, k, gsize);                                        \
-    const product a = {xf, xf + m * k, w, scales, y, m, n, k, gsize};                   \
+    void* scratch = malloc(SCRATCH_BYTES(m, k, gsize));                                 \
+    if (scratch == NULL) return 0;                                                      \
+    product a = {NULL, NULL, w, scales, y, m, n, k, gsize};                             \
+    PREPARE(x, scratch, &a);                                                            \
     const int64_t units = qgemm_units(m, n, MAX_ROWS);                                  \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
     for (int64_t unit = 0; unit < units; unit++) product_unit(&a, unit, NULL);          \
-    free(xf);                                                                           \
+    free(scratch);                                                                      \
     return 1;                                                                           \
 }                                                                                       \
                                                                                         \
@@ -124,16 +135,14 @@ int NAME##_pooled(const uint16_t* x, const void* w, const void* scales, uint16_t
 {                                                                                       \
     const int64_t units = qgemm_units(m, n, MAX_ROWS);                                  \
     const size_t head = (sizeof(product_job) + (size_t)units + 63) & ~(size_t)63;      \
-    product_job* job = (product_job*)malloc(                                            \
-        head + (size_t)qgemm_scratch_floats(m, k, gsize) * sizeof(float));              \
+    product_job* job = (product_job*)malloc(head + SCRATCH_BYTES(m, k, gsize));         \
     if (job == NULL) return NAME(x, w, scales, y, m, n, k, gsize, 1);                   \
     job->base.run = product_job_unit;                                                   \
     job->base.units = units;                                                            \
     job->base.state = (_Atomic unsigned char*)(job + 1);                                \
-    float* xf = (float*)((char*)job + head);                                            \
-    qgemm_widen(x, xf, xf + m * k, m, k, gsize);                                        \
-    const product a = {xf, xf + m * k, w, scales, y, m, n, k, gsize};                   \
+    const product a = {NULL, NULL, w, scales, y, m, n, k, gsize};                       \
     job->a = a;                                                                         \
+    PREPARE(x, (char*)job + head, &job->a);                                             \
     triollm_pool_run(&job->base, helpers);                                              \
     return 1;                                                                           \
 }

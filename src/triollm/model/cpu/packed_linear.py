@@ -43,8 +43,7 @@ import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import Protocol, TypeVar
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -53,6 +52,7 @@ from transformers.pytorch_utils import Conv1D
 from triollm.model.cpu.gemm import CpuGemm, load_gemm
 from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
 from triollm.model.ops import define_op
+from triollm.model.shared_input import runs_on_one_input
 
 __all__ = [
     "PackedLinear",
@@ -65,8 +65,6 @@ __all__ = [
     "packed_weights_of",
     "padded_rows",
     "pads_rows",
-    "recording_calls",
-    "runs_on_one_input",
 ]
 
 logger = logging.getLogger(__name__)
@@ -192,58 +190,6 @@ def _packed_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torc
 #: as an op a compiled graph can call.
 packed_linear = define_op("packed_linear(Tensor x, int handle, int out_features) -> Tensor",
                           _packed_linear, _packed_linear_fake)
-
-
-@contextlib.contextmanager
-def recording_calls(model: nn.Module) -> Iterator[list[tuple[torch.Tensor, PackedLinear]]]:
-    """Within the block, every call of one of ``model``'s ``PackedLinear`` layers (on a
-    positional input) is appended to the list it yields, with its input, in call order.
-    It records through forward pre-hooks, removed on leaving: nothing on the calls'
-    path once it is done."""
-    calls: list[tuple[torch.Tensor, PackedLinear]] = []
-
-    def record(layer: nn.Module, args: tuple[object, ...]) -> None:
-        if args and isinstance(args[0], torch.Tensor) and isinstance(layer, PackedLinear):
-            calls.append((args[0], layer))
-
-    hooks = [module.register_forward_pre_hook(record) for module in model.modules()
-             if isinstance(module, PackedLinear)]
-    try:
-        yield calls
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-class _TakesInput(Protocol):
-    in_features: int
-
-
-Layer = TypeVar("Layer", bound=_TakesInput)
-
-
-def runs_on_one_input(calls: list[tuple[torch.Tensor, Layer]],
-                      joins: Callable[[Layer], bool] = lambda layer: True
-                      ) -> list[list[Layer]]:
-    """The runs of two or more layers ``calls`` shows called one after another on the
-    same input tensor, with the same input size, each layer once a run. A layer
-    ``joins`` rejects ends the run it interrupts and is in none."""
-    runs: list[list[Layer]] = []
-    run: list[Layer] = []
-    previous: torch.Tensor | None = None
-    for x, layer in calls:
-        joinable = joins(layer)
-        if (run and x is previous and joinable and layer not in run
-                and layer.in_features == run[0].in_features):
-            run.append(layer)
-            continue
-        if len(run) > 1:
-            runs.append(run)
-        run = [layer] if joinable else []
-        previous = x
-    if len(run) > 1:
-        runs.append(run)
-    return runs
 
 
 @torch.no_grad()

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from triollm.model.cpu.packed_linear import PackedLinear, runs_on_one_input
+from triollm.model.cpu.packed_linear import PackedLinear
 from triollm.model.quantization.linear import QuantizedLinear
+from triollm.model.shared_input import runs_on_one_input
 
 __all__ = ["LoRAGroup", "LoRALinear", "LoRAStep", "adaptable_layers", "group_shared_inputs"]
 

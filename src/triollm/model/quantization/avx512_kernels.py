@@ -54,8 +54,12 @@ SLICE_ELEMENTS = 8 * 1024 * 1024
 class Avx512Gemm(QuantizedGemm):
     """The library's product, and its dequantization into bf16 for many rows."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        super().__init__(library, "triollm_qgemm_avx512")
+    def __init__(self, library: ctypes.CDLL, entry: str = "triollm_qgemm_avx512",
+                 product_library: ctypes.CDLL | None = None) -> None:
+        """``library``: qgemm_avx512's, whose dequantization this takes; the product is
+        ``entry`` of ``product_library`` (default: the same library)."""
+        super().__init__(product_library or library, entry)
+        self.library = library
         self._dequantize = library.triollm_qdequantize_avx512
         self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
             ctypes.c_int]

@@ -1,12 +1,12 @@
 """``QuantizedLinear``: a linear layer whose weight stays quantized, multiplied by the
-first kernel that takes it: the AVX-512 kernel (avx512_kernels.py), the AVX2 one
-(avx2_kernels.py), torch's CPU kernels (kernels.py).
+first kernel that takes it: the VNNI kernel (vnni_kernels.py), the fp32 AVX-512 one
+(avx512_kernels.py), the AVX2 one (avx2_kernels.py), torch's CPU kernels (kernels.py).
 
 Like ``PackedLinear`` (model/cpu/packed_linear.py), its packed tensors are not something
 ``torch.compile`` should trace: a compiled model calls the custom op
 ``triollm::quantized_linear`` with the layer's ``handle``, under which the kernel is
-registered for as long as the module lives. Quantized layers are not among the layers
-``group_weights_of_shared_inputs`` joins (each is called on its own).
+registered for as long as the module lives; layers on one input are grouped into one
+call in a compiled model by grouping.py.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from triollm.model.ops import define_op
 from triollm.model.quantization.avx2_kernels import avx2_kernel_for
 from triollm.model.quantization.avx512_kernels import avx512_kernel_for
 from triollm.model.quantization.kernels import QuantizedKernel, kernel_for
+from triollm.model.quantization.vnni_kernels import vnni_kernel_for
 from triollm.model.quantization.weights import QuantizedWeight
 
-__all__ = ["QuantizedLinear", "quantized_linear", "quantized_or_plain"]
+__all__ = ["QuantizedLinear", "quantized_linear", "quantized_or_plain", "register_kernel"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,7 @@ class QuantizedLinear(nn.Module):
         self.group_size = weight.group_size
         self.kernel = kernel
         self.bias = None if bias is None else bias.detach()
-        self.handle = next(_handles)
-        _registered[self.handle] = (kernel, self.bias)
-        weakref.finalize(self, _registered.pop, self.handle, None)
+        self.handle = register_kernel(self, kernel, self.bias)
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +72,16 @@ _handles = itertools.count()
 _registered: dict[int, tuple[QuantizedKernel, torch.Tensor | None]] = {}
 
 
+def register_kernel(owner: object, kernel: QuantizedKernel, bias: torch.Tensor | None
+                    ) -> int:
+    """A new handle under which ``quantized_linear`` computes with ``kernel`` (and adds
+    ``bias``) for as long as ``owner`` lives."""
+    handle = next(_handles)
+    _registered[handle] = (kernel, bias)
+    weakref.finalize(owner, _registered.pop, handle, None)
+    return handle
+
+
 def _quantized_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     kernel, bias = _registered[handle]
     return _product(x, kernel, bias)
@@ -97,8 +106,9 @@ def quantized_or_plain(weight: QuantizedWeight, bias: torch.Tensor | None,
     like any other)."""
     device = weight.qweight.device
     dequantized = weight.dequantize(dtype)
-    kernel = (avx512_kernel_for(weight, dtype) or avx2_kernel_for(weight, dtype)
-              or kernel_for(weight, dtype) if device.type == "cpu" else None)
+    kernel = (vnni_kernel_for(weight, dtype) or avx512_kernel_for(weight, dtype)
+              or avx2_kernel_for(weight, dtype) or kernel_for(weight, dtype)
+              if device.type == "cpu" else None)
     if kernel is not None:
         layer = QuantizedLinear(weight, kernel, None if bias is None else bias.to(dtype))
         probe = torch.randn(3, weight.in_features, generator=torch.Generator().manual_seed(0)

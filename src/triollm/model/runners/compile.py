@@ -36,16 +36,18 @@ from triollm.model.attention.metadata import KVCacheSpec, PagedAttentionMetadata
 from triollm.model.attention.op import in_compiled_forward
 from triollm.model.attention.torch_decode import compiled_paged_decode_attention
 from triollm.model.cpu.packed_linear import (
+    PackedLinear,
     fuse_shared_input_calls,
     group_weights_of_shared_inputs,
     packed_weights,
     packed_weights_of,
-    recording_calls,
 )
 from triollm.model.cpu.threads import ComputeThreads
+from triollm.model.quantization.grouping import fuse_quantized_calls, group_quantized_layers
 from triollm.model.quantization.linear import QuantizedLinear
 from triollm.model.runners.batch import DecodeAttention, decode_groups, run_forward
 from triollm.model.runners.precompiled import PrecompiledDecoder, artifact_key, cache_directory
+from triollm.model.shared_input import recording_calls
 
 __all__ = ["SCRATCH_BLOCKS", "CompilePlan", "CompileStopped", "DummyDecodes", "build_compiled",
            "choose_decode_attention", "compile_key", "compile_model", "plan_compile",
@@ -152,7 +154,8 @@ def _inductor_with_shared_input_calls_fused(stop: Callable[[], bool]) -> Any:
                 ) -> Any:
         if stop():
             raise CompileStopped
-        if fuse_shared_input_calls(graph_module.graph):
+        fused = fuse_shared_input_calls(graph_module.graph)
+        if fuse_quantized_calls(graph_module.graph) or fused:
             graph_module.recompile()
         return compile_fx(graph_module, example_inputs)
     return backend
@@ -198,9 +201,11 @@ def plan_compile(dummy: DummyDecodes, attention: DecodeAttention,
     """Run the dummy decodes eagerly, recording which linear layers share an input, and
     group those layers' weights (one tensor each group: the model must not be serving);
     ``counts``: the thread counts to compile for (``ComputeThreads.ladder``)."""
-    with recording_calls(dummy.model) as calls:
+    with (recording_calls(dummy.model, PackedLinear) as calls,
+          recording_calls(dummy.model, QuantizedLinear) as quantized_calls):
         expected = dummy.run(attention, compiled=False)
-    grouped = group_weights_of_shared_inputs(calls)
+    grouped = (group_weights_of_shared_inputs(calls)
+               + group_quantized_layers(quantized_calls))
     return CompilePlan(list(counts), expected, grouped)
 
 
