@@ -229,10 +229,11 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
     started = time.perf_counter()
     shapes = [(count, batch) for count in plan.counts for batch in (1, dummy.rows)]
     backend = _inductor_with_shared_input_calls_fused(stop)
-    # the saved (AOT) compile first; where it fails, dynamo's, which traces every start
+    # the saved (AOT) compile first (quantized layers: AOT, unsaved); where it fails,
+    # dynamo's, which traces every start and checks its guards at every call
     precompiled: PrecompiledDecoder | None = None
     attempts = (["load"] if load_only else ["saved", "saved again", "dynamo"]
-                if saves_artifacts(dummy.model) else ["dynamo"])
+                if saves_artifacts(dummy.model) else ["unsaved", "dynamo"])
     while attempts:
         attempt = attempts.pop(0)
         try:
@@ -240,9 +241,10 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
                 precompiled = None
                 _compile_on_own_code(decoder, dynamic=True, backend=backend)
             else:
-                precompiled = PrecompiledDecoder(
-                    decoder, cache_directory(compile_key(dummy, attention, dtype)), backend,
-                    load_only=attempt == "load")
+                directory = (None if attempt == "unsaved"
+                             else cache_directory(compile_key(dummy, attention, dtype)))
+                precompiled = PrecompiledDecoder(decoder, directory, backend,
+                                                 load_only=attempt == "load")
                 decoder._compiled_call_impl = precompiled
             _compile_shapes(dummy, attention, shapes, plan.expected, dtype, stop,
                             "loading" if attempt == "load" else "compiling")
@@ -264,8 +266,9 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
                 precompiled.discard()
                 continue
             if attempt != "dynamo":
-                logger.warning("compiling the model to save it failed (%s: %s); compiling "
-                               "it for this process only", type(error).__name__, error)
+                logger.warning("the AOT compile of the model failed (%s: %s); compiling "
+                               "it with dynamo, for this process only",
+                               type(error).__name__, error)
                 if precompiled is not None:
                     precompiled.discard()
                 attempts = ["dynamo"]
@@ -287,7 +290,8 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
 def saves_artifacts(model: nn.Module) -> bool:
     """Whether ``model``'s compiled decoder is saved as AOT artifacts (precompiled.py):
     not with quantized layers, whose handles are the process's, not the model's (a
-    saved graph would name another process's layers); dynamo's compile instead."""
+    saved graph would name another process's layers): compiled the same way, for this
+    process only."""
     return not any(isinstance(module, QuantizedLinear) for module in model.modules())
 
 
