@@ -2,10 +2,12 @@
 prefill tokens/s, for ``--quantization int4`` and ``int8`` and the bf16 model, in one run.
 
 The model has Qwen2.5-0.5B's shape (24 layers, hidden 896, MLP 4864, 14 query and 2
-key-value heads, its 151,936-token vocabulary with the LM head tied to the embeddings)
-with random bf16 weights; quantization replaces the decoder's linear layers, and the
-tied head computes on an int8 copy (the embeddings stay bf16; see
-model/quantization/lm_head.py). Each configuration runs in a
+key-value heads, its 151,936-token vocabulary with the LM head tied to the embeddings),
+or with ``--shape llama-3.2-1b`` Llama-3.2-1B's (16 layers, hidden 2048, MLP 8192, 32
+query and 8 key-value heads, 128,256 tokens, tied), with random bf16 weights;
+quantization replaces the decoder's linear layers, and the tied head computes on an int8
+copy (the embeddings stay bf16; see model/quantization/lm_head.py). Each configuration
+runs in a
 process of its own: load (and compile, at ``--optimization-level``), warm up, then
 
 - decode at batch ``b``: ``b`` prompts of 32 tokens generating ``--decode-tokens``
@@ -19,6 +21,7 @@ the figure contaminated).
 
     python benchmarks/quantization.py
     python benchmarks/quantization.py --modes bf16 int4 --batches 1 --optimization-level 0
+    python benchmarks/quantization.py --shape llama-3.2-1b
 """
 
 from __future__ import annotations
@@ -34,30 +37,32 @@ from typing import Any
 
 from vs_vllm import CONTAMINATED_CORES, platform_line, run_child
 
-#: Qwen2.5-0.5B: hidden, intermediate, layers, query heads, key-value heads, vocabulary.
-SHAPE = (896, 4864, 24, 14, 2, 151936)
+#: Per shape: its transformers config class; hidden, intermediate, layers, query heads,
+#: key-value heads, vocabulary (each with its LM head tied to the embeddings).
+SHAPES = {"qwen2.5-0.5b": ("Qwen2Config", (896, 4864, 24, 14, 2, 151936)),
+          "llama-3.2-1b": ("LlamaConfig", (2048, 8192, 16, 32, 8, 128256))}
 
 
-def model_config() -> Any:
-    """The transformers config of the Qwen2.5-0.5B-shaped model."""
+def model_config(shape: str = "qwen2.5-0.5b") -> Any:
+    """The transformers config of the model of ``shape`` (``SHAPES``)."""
     import transformers
 
-    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPE
-    return transformers.Qwen2Config(
+    config_class, (hidden, intermediate, layers, heads, kv_heads, vocab) = SHAPES[shape]
+    return getattr(transformers, config_class)(
         hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
         max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
         eos_token_id=2)
 
 
-def save_model(directory: str) -> None:
+def save_model(directory: str, shape: str = "qwen2.5-0.5b") -> None:
     import torch
     import transformers
 
     from triollm.testing import train_test_tokenizer
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(model_config(),
+    model = transformers.AutoModelForCausalLM.from_config(model_config(shape),
                                                           dtype=torch.bfloat16)
     with torch.no_grad():  # weights of a trained model's scale, not init's 0.02 everywhere
         for parameter in model.parameters():
@@ -119,10 +124,11 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--optimization-level", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen2.5-0.5b")
     args = parser.parse_args()
-    print(f"# {platform_line()}; Python {platform.python_version()}")
+    print(f"# {platform_line()}; Python {platform.python_version()}; {args.shape} shape")
     with tempfile.TemporaryDirectory() as directory:
-        save_model(directory)
+        save_model(directory, args.shape)
         results = {}
         for mode in args.modes:
             command = [sys.executable, __file__, "--child", directory, mode,

@@ -1,6 +1,6 @@
 """triollm and vLLM's CPU build serving the same GPTQ and AWQ checkpoint, in one run.
 
-The checkpoint has Qwen2.5-0.5B's shape (benchmarks/quantization.py's ``SHAPE``), random
+The checkpoint has Qwen2.5-0.5B's shape (benchmarks/quantization.py's ``SHAPES``), random
 weights of a trained model's scale, its decoder's linear layers quantized to 4 bits in
 groups of 128 with the packers the test suite checks against the formats' reference
 layouts (tests/quantized_checkpoints.py: AutoGPTQ's ``qweight``/``qzeros``/``g_idx``, and
