@@ -4,15 +4,22 @@ triollm's own int4/int8 kernel for this CPU (AVX512-BF16's or AVX2's, the one
 ``quantized_or_plain`` picks), per Qwen2.5-0.5B layer shape, ms per call (median of
 ``--repeats``), and the weight bytes each reads a second at one row. int4 is in groups
 of ``--group-size``, int8 per channel (as ``--quantization int4``/``int8`` make them).
+A layer timed alone is read from the CPU's caches after its first call; ``--token``
+times instead one decode token's linear layers (the 7 of each of 24 layers, each a
+copy of its own, so that they come from memory as in the engine) on every kernel this
+CPU has, including each int4/int8 kernel below the one the engine picks.
 
     python benchmarks/quantized_layers.py
     python benchmarks/quantized_layers.py --rows 1 4 16 64 512 --repeats 50
+    python benchmarks/quantized_layers.py --token --rows 1 4
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
+import time
 
 import torch
 
@@ -22,16 +29,59 @@ from triollm.model.quantization.avx2_kernels import avx2_kernel_for
 from triollm.model.quantization.avx512_kernels import avx512_kernel_for
 from triollm.model.quantization.kernels import Int4Kernel, Int8Kernel, QuantizedKernel
 from triollm.model.quantization.quantize import quantize_weight
+from triollm.model.quantization.vnni_kernels import vnni_kernel_for
 
 #: Qwen2.5-0.5B's linear layers, ``[out, in]``.
 SHAPES = {"q/o": (896, 896), "gate/up": (4864, 896), "down": (896, 4864),
           "lm head": (151936, 896)}
 
 
+#: One Qwen2.5-0.5B decoder layer's projections in call order (q, k, v, o, gate, up,
+#: down) and its layer count.
+TOKEN_LAYERS = [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896),
+                (896, 4864)]
+LAYERS = 24
+KERNELS = {"vnni": vnni_kernel_for, "avx512": avx512_kernel_for, "avx2": avx2_kernel_for}
+
+
 def ours(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedKernel | None:
     quantized = quantize_weight(weight, bits, group_size)
-    return (avx512_kernel_for(quantized, torch.bfloat16)
+    return (vnni_kernel_for(quantized, torch.bfloat16)
+            or avx512_kernel_for(quantized, torch.bfloat16)
             or avx2_kernel_for(quantized, torch.bfloat16))
+
+
+def one_token(rows: list[int], repeats: int, group_size: int) -> None:
+    """``--token``: ms for one decode token's layers per kernel, median over
+    ``repeats`` passes taken in turn, and the GB/s of weights that makes."""
+    passes: dict[str, list[torch.nn.Module | QuantizedKernel]] = {"bf16 packed": []}
+    nbytes: dict[str, int] = {"bf16 packed": 0}
+    for _ in range(LAYERS):
+        for shape in TOKEN_LAYERS:
+            weight = torch.randn(*shape) * shape[1] ** -0.5
+            passes["bf16 packed"].append(PackedLinear(weight.bfloat16(), None))
+            nbytes["bf16 packed"] += 2 * weight.numel()
+            for bits, group in ((4, group_size), (8, -1)):
+                quantized = quantize_weight(weight, bits, group)
+                for name, kernel_for in KERNELS.items():
+                    kernel = kernel_for(quantized, torch.bfloat16)
+                    if kernel is not None:
+                        passes.setdefault(f"int{bits} {name}", []).append(kernel)
+                        nbytes[f"int{bits} {name}"] = nbytes.get(f"int{bits} {name}",
+                                                                 0) + kernel.nbytes
+    for count in rows:
+        inputs = {k: torch.randn(count, k).bfloat16() for k in {s[1] for s in TOKEN_LAYERS}}
+        times: dict[str, list[float]] = {name: [] for name in passes}
+        for _ in range(repeats):
+            for name, layers in passes.items():
+                started = time.perf_counter()
+                for layer, shape in zip(layers, TOKEN_LAYERS * LAYERS, strict=True):
+                    layer(inputs[shape[1]])
+                times[name].append(time.perf_counter() - started)
+        for name, seconds in times.items():
+            median = statistics.median(seconds[2:])
+            print(f"rows {count:3d}  {name:12s} {1000 * median:8.2f} ms "
+                  f"({nbytes[name] / median / 1e9:5.1f} GB/s)", flush=True)
 
 
 @torch.inference_mode()
@@ -42,8 +92,13 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--token", action="store_true",
+                        help="one decode token's 168 layers, each from memory")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.token:
+        one_token(args.rows, max(args.repeats // 2, 5), args.group_size)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
           f"{args.repeats}; int4 in groups of {args.group_size}, int8 per channel; ms per "
           "call (GB/s of weights read at one row)")

@@ -17,6 +17,7 @@ from triollm.model.quantization.avx2_kernels import Avx2Int4Kernel, Avx2Int8Kern
 from triollm.model.quantization.linear import QuantizedLinear, quantized_or_plain
 from triollm.model.quantization.quantize import quantize_weight
 from triollm.model.runners import compile as runner_compile
+from triollm.model.runners.precompiled import PrecompiledDecoder
 
 
 def _native(layer: torch.nn.Module) -> bool:
@@ -56,6 +57,10 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
                       num_gpu_blocks_override=256, optimization_level=2, cpu_threads=1,
                       quantization=f"int{bits}")
             assert llm.engine.runner.compiled, "the model should have compiled"
+            decoder = llm.engine.runner.model.get_decoder()
+            # compiled ahead of time, without guards, and not saved (handles are ours)
+            assert isinstance(decoder._compiled_call_impl, PrecompiledDecoder)
+            assert decoder._compiled_call_impl.directory is None
             attention = llm.engine.runner.model.model.layers[0].self_attn
             projections = (attention.q_proj, attention.k_proj, attention.v_proj)
             if not all(_native(layer) for layer in projections):

@@ -1,14 +1,16 @@
 /* Weight-only int4 and int8 products on integer dot products (AVX512-VNNI's vpdpbusd,
    64 byte products an instruction), over the AVX2 kernel's layouts
    (csrc/qgemm_avx2.c; model/quantization/vnni_kernels.py); an empty library on CPUs
-   without AVX-512 F, BW, VBMI and VNNI. int8 takes input widths that are multiples of
-   8 (int4's groups are already).
+   without AVX-512 F, BW, VL, VBMI and VNNI. int8 takes input widths that are multiples
+   of 8 (int4's groups are already).
 
    The inputs (bf16) become integers once per call: each row's block of inputs
    (block_size: up to 128, inside one int4 group) is scaled by a power of two d that
    puts its largest magnitude in [2^13, 2^14), and rounded. So an input within seven
    binades of its block's largest stays exact, and none is off by more than 2^-14 of
-   that largest, against bf16's own rounding of every input by up to 2^-9 of itself.
+   that largest, against bf16's own rounding of every input by up to 2^-9 of itself
+   (a block whose largest is under 2^-112 counts as zeros; inputs past about 2^119 can
+   overflow a block's fp32 terms into NaN).
    Each integer q = 256 h + l is split into two signed bytes (h in [-64, 64], l in
    [-128, 127]) and the weight's unsigned bytes are multiplied by both: 4 dot products
    of 4 bytes per output and row for 8 inputs, in int32, exact. A block's sums turn
@@ -33,8 +35,8 @@
 #include <stdint.h>
 #include <omp.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) \
-    && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
+    && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
 #define MAX_ROWS 16
@@ -82,7 +84,7 @@ static void prepare_integers(const uint16_t* x, void* scratch, product* a) {
                 if (_mm512_cmp_ps_mask(v[c / 16], v[c / 16], _CMP_UNORD_Q)) finite = 0;
             float d = 0;
             if (!finite || !(top <= 3.4e38f)) d = NAN;
-            else if (top >= 0x1p-100f) {
+            else if (top >= 0x1p-112f) {  /* 1 / d stays a finite power of 2 */
                 int e;
                 frexpf(top, &e);  /* top in [2^(e-1), 2^e) */
                 d = ldexpf(1.0f, e - 14);
@@ -124,7 +126,8 @@ static inline __attribute__((always_inline)) __m512i dot(__m512i acc, __m512i a,
    (w0, w1: 4 unsigned weight bytes per output each) for rows [0, rows). */
 #define DOT_OCTET(w0, w1, at)                                                            \
     for (int r = 0; r < rows; r++) {                                                     \
-        const int32_t* q = (const int32_t*)(xq + r * 2 * k + (at));                      \
+        int32_t q[4];                                                                    \
+        memcpy(q, xq + r * 2 * k + (at), sizeof q);                                      \
         acc[r][0] = dot(acc[r][0], w0, _mm512_set1_epi32(q[0]));         \
         acc[r][1] = dot(acc[r][1], w1, _mm512_set1_epi32(q[1]));         \
         acc[r][2] = dot(acc[r][2], w0, _mm512_set1_epi32(q[2]));         \

@@ -97,8 +97,8 @@ KERNELS = {
                                  needs="AVX-512 F and BW", cpu_flag="avx512f avx512bw"),
     "qgemm_vnni": KernelSource("qgemm_vnni", pooled=True,
                                supported="triollm_qgemm_vnni_supported",
-                               needs="AVX-512 F, BW, VBMI and VNNI",
-                               cpu_flag="avx512f avx512bw avx512vbmi avx512_vnni"),
+                               needs="AVX-512 F, BW, VL, VBMI and VNNI",
+                               cpu_flag="avx512f avx512bw avx512vl avx512vbmi avx512_vnni"),
     "varlen": KernelSource("varlen", pooled=False, supported="triollm_varlen_supported",
                            needs="AVX-512", cpu_flag="avx512f"),
 }

@@ -51,6 +51,7 @@ from transformers.pytorch_utils import Conv1D
 
 from triollm.model.cpu.gemm import CpuGemm, load_gemm
 from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
+from triollm.model.cpu.helpers import drain_pools
 from triollm.model.ops import define_op
 from triollm.model.shared_input import runs_on_one_input
 
@@ -201,6 +202,7 @@ def group_weights_of_shared_inputs(calls: list[tuple[torch.Tensor, PackedLinear]
     handle of their model's weights. Returns how many groups were made."""
     grouped = 0
     seen: set[int] = set()
+    drain_pools()  # no pool helper still reads a weight about to be moved
     for run in runs_on_one_input(calls):
         handles = tuple(layer.handle for layer in run)
         weights = run[0].weights

@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from triollm.model.cpu.helpers import drain_pools
 from triollm.model.quantization.avx2_kernels import Avx2Int4Kernel, Avx2Int8Kernel
 from triollm.model.quantization.linear import QuantizedLinear, quantized_linear, register_kernel
 from triollm.model.shared_input import runs_on_one_input
@@ -51,10 +52,13 @@ def group_quantized_layers(calls: list[tuple[torch.Tensor, QuantizedLinear]]) ->
     one after another on one input, where their kernels allow (see the module's
     docstring); the model must not be serving. Returns how many groups were made."""
     grouped = 0
+    seen: set[int] = set()
+    drain_pools()  # no pool helper still reads a weight about to be moved
     for run in runs_on_one_input(calls, _groupable):
         handles = tuple(layer.handle for layer in run)
-        if handles in _groups or not _same_kind(run):
+        if handles in _groups or seen & set(handles) or not _same_kind(run):
             continue
+        seen.update(handles)
         kernels: list[Avx2Int4Kernel | Avx2Int8Kernel] = [
             layer.kernel for layer in run]  # type: ignore[misc]
         group = copy.copy(kernels[0])

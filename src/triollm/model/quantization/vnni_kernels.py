@@ -7,13 +7,13 @@ as for the other kernels: ``VnniInt4Kernel`` and ``VnniInt8Kernel`` are the AVX2
 kernels on this library. Each call turns the bf16 inputs into 15-bit integers, a
 power-of-two scale per row and block of up to 128 inputs, split into two signed bytes,
 and multiplies them with the weight's bytes in exact int32 dot products (``vpdpbusd``,
-64 products an instruction). The rounding that adds is at most 2^-15 of the block's
+64 products an instruction). The rounding that adds is at most 2^-14 of the block's
 largest input, and none for the inputs within seven binades of it, against bf16's own
 2^-9 of every input: the products agree with the fp32 kernel's to bf16's precision.
 From a few dozen rows on an AMX CPU the layer is dequantized for torch's ``linear`` as
 ``Avx512Gemm`` does; int8 weights whose width is not a multiple of 8 stay on the fp32
 kernel. Built and checked against the dequantized product at load (build.py's
-``load_checked``) where the CPU has AVX-512 F, BW, VBMI and VNNI.
+``load_checked``) where the CPU has AVX-512 F, BW, VL, VBMI and VNNI.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class VnniInt8Kernel(Avx2Int8Kernel):
 @cache
 def load_vnni_gemm() -> VnniGemm | None:
     """The kernel for this machine, built on first use and checked against the
-    dequantized product; None where the CPU lacks AVX-512 F, BW, VBMI or VNNI, the
+    dequantized product; None where the CPU lacks AVX-512 F, BW, VL, VBMI or VNNI, the
     AVX-512 kernel is not there, there is no C compiler, or it disagrees."""
     fp32 = load_avx512_gemm()
     if not isinstance(fp32, Avx512Gemm):
