@@ -140,8 +140,10 @@ static inline __m512 load16_bf16(const uint16_t* p) {
 /* The same (sequence, KV head) work in one pass over the blocks with an online softmax:
    up to 16 tokens' scores at a time in one vector, the running maximum and sum, and the
    output rows in registers (dim = 16 * CHUNKS; CHUNKS 0 means dim / 16, read at run
-   time). No scratch memory: `scores` is there only so one call macro serves both paths. */
-#define DEFINE_ATTEND16(NAME, CACHE_T, LOAD16, CHUNKS)                                  \
+   time). No scratch memory: `scores` is there only so one call macro serves both paths.
+   LOAD16 reads the cache's values times 1 / UNIT (a power of two: the query is scaled by
+   UNIT and the output too, exactly). */
+#define DEFINE_ATTEND16(NAME, CACHE_T, LOAD16, CHUNKS, UNIT)                            \
 static void NAME(                                                                       \
     const float* query, const CACHE_T* keys, const CACHE_T* vals,                       \
     const int64_t* row_table, float* scores, float* out,                                \
@@ -154,7 +156,7 @@ static void NAME(                                                               
         __m512 q[CHUNKS > 0 ? CHUNKS : 16], acc[CHUNKS > 0 ? CHUNKS : 16];              \
         for (int64_t c = 0; c < chunks; c++) {                                          \
             q[c] = _mm512_mul_ps(_mm512_loadu_ps(query + g * dim + 16 * c),             \
-                                 _mm512_set1_ps(scale));                                \
+                                 _mm512_set1_ps(scale * (UNIT)));                       \
             acc[c] = _mm512_setzero_ps();                                               \
         }                                                                               \
         float top = -INFINITY, total = 0.0f;                                            \
@@ -200,24 +202,24 @@ static void NAME(                                                               
                 }                                                                       \
             }                                                                           \
         }                                                                               \
-        const __m512 inverse = _mm512_set1_ps(1.0f / total);                            \
+        const __m512 inverse = _mm512_set1_ps((UNIT) / total);                          \
         for (int64_t c = 0; c < chunks; c++)                                            \
             _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[c], inverse));   \
     }                                                                                   \
 }
 
-DEFINE_ATTEND16(attend16_f32_d64, float, load16_f32, 4)
-DEFINE_ATTEND16(attend16_bf16_d64, uint16_t, load16_bf16, 4)
-DEFINE_ATTEND16(attend16_f32_d128, float, load16_f32, 8)
-DEFINE_ATTEND16(attend16_bf16_d128, uint16_t, load16_bf16, 8)
-DEFINE_ATTEND16(attend16_f32, float, load16_f32, 0)
-DEFINE_ATTEND16(attend16_bf16, uint16_t, load16_bf16, 0)
-DEFINE_ATTEND16(attend16_e5m2_d64, uint8_t, load16_e5m2, 4)
-DEFINE_ATTEND16(attend16_e5m2_d128, uint8_t, load16_e5m2, 8)
-DEFINE_ATTEND16(attend16_e5m2, uint8_t, load16_e5m2, 0)
-DEFINE_ATTEND16(attend16_e4m3_d64, uint8_t, load16_e4m3, 4)
-DEFINE_ATTEND16(attend16_e4m3_d128, uint8_t, load16_e4m3, 8)
-DEFINE_ATTEND16(attend16_e4m3, uint8_t, load16_e4m3, 0)
+DEFINE_ATTEND16(attend16_f32_d64, float, load16_f32, 4, 1.0f)
+DEFINE_ATTEND16(attend16_bf16_d64, uint16_t, load16_bf16, 4, 1.0f)
+DEFINE_ATTEND16(attend16_f32_d128, float, load16_f32, 8, 1.0f)
+DEFINE_ATTEND16(attend16_bf16_d128, uint16_t, load16_bf16, 8, 1.0f)
+DEFINE_ATTEND16(attend16_f32, float, load16_f32, 0, 1.0f)
+DEFINE_ATTEND16(attend16_bf16, uint16_t, load16_bf16, 0, 1.0f)
+DEFINE_ATTEND16(attend16_e5m2_d64, uint8_t, load16_e5m2, 4, 1.0f)
+DEFINE_ATTEND16(attend16_e5m2_d128, uint8_t, load16_e5m2, 8, 1.0f)
+DEFINE_ATTEND16(attend16_e5m2, uint8_t, load16_e5m2, 0, 1.0f)
+DEFINE_ATTEND16(attend16_e4m3_d64, uint8_t, load16_e4m3_under_256, 4, 0x1p8f)
+DEFINE_ATTEND16(attend16_e4m3_d128, uint8_t, load16_e4m3_under_256, 8, 0x1p8f)
+DEFINE_ATTEND16(attend16_e4m3, uint8_t, load16_e4m3_under_256, 0, 0x1p8f)
 #else
 #define HAVE_AVX512 0
 #endif

@@ -60,16 +60,19 @@ static inline __m512 load16_e5m2(const uint8_t* p) {
     return _mm512_cvtph_ps(halves);
 }
 
-/* 16 e4m3 bytes: exponent and mantissa moved under fp32's, the sign to its top, then
-   rescaled by 2^(127 - 7). */
-static inline __m512 load16_e4m3(const uint8_t* p) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    const __m512i magnitude = _mm512_slli_epi32(
-        _mm512_and_si512(bytes, _mm512_set1_epi32(0x7f)), 20);
-    const __m512i sign = _mm512_slli_epi32(
-        _mm512_and_si512(bytes, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(magnitude, sign)),
-                         _mm512_set1_ps(0x1p120f));
+/* 16 e4m3 bytes times 2^-8: exponent and mantissa moved under an fp16's, the sign to
+   its top, widened by the hardware (the attention scales its query and output by 2^8
+   instead, exactly). Through fp32's bits, as the scalar reading does, e4m3's zeros and
+   subnormals would be fp32 subnormals, and a multiply by one takes a microcode assist
+   on Intel CPUs: the 8-bit cache's decode attention ran 6-8x slower than bf16's
+   (benchmarks/kv_cache_dtype.py --kernel). */
+static inline __m512 load16_e4m3_under_256(const uint8_t* p) {
+    /* the byte at an fp16's top, shifted right arithmetically by one (the sign stays,
+       a copy of it lands on the exponent's top bit, which the mask clears) */
+    const __m256i top = _mm256_slli_epi16(
+        _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 8);
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(top, 1),
+                                            _mm256_set1_epi16((short)0xBFFF)));
 }
 #endif
 
