@@ -192,7 +192,9 @@ def test_the_build_step_reports_every_kernel(capsys: pytest.CaptureFixture[str])
     runs = {"decode": True, "gemm": "avx512_bf16" in flags,
             "gemm_avx2": {"avx2", "fma"} <= flags, "varlen": "avx512f" in flags,
             "qgemm_avx2": {"avx2", "fma", "f16c"} <= flags,
-            "qgemm_avx512": {"avx512f", "avx512bw"} <= flags}
+            "qgemm_avx512": {"avx512f", "avx512bw"} <= flags,
+            "qgemm_vnni": {"avx512f", "avx512bw", "avx512vl", "avx512vbmi",
+                           "avx512_vnni"} <= flags}
     for line in lines:
         stem, _, said = line.partition(": ")
         assert said.startswith("built" if runs[stem] else "skipped, this CPU lacks"), line
