@@ -6,13 +6,13 @@ model is compiled, and LoRA adapters (lora/layers.py) into one shrink."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["recording_calls", "runs_on_one_input"]
+__all__ = ["fuse_grouped_calls", "recording_calls", "runs_on_one_input"]
 
 Recorded = TypeVar("Recorded", bound=nn.Module)
 
@@ -68,3 +68,35 @@ def runs_on_one_input(calls: list[tuple[torch.Tensor, Layer]],
     if len(run) > 1:
         runs.append(run)
     return runs
+
+
+def fuse_grouped_calls(graph: torch.fx.Graph, op: Callable[..., torch.Tensor],
+                       groups: Mapping[tuple[int, ...], tuple[int, tuple[int, ...]]]) -> int:
+    """In a graph traced by ``torch.compile``, replace the calls ``op(x, handle,
+    out_features)`` of each group in ``groups`` (member handles in call order -> the
+    group's handle and each member's out_features), where exactly its members are
+    called on one input, by one call over the group and a slice of its result for each
+    member. Returns how many groups were fused."""
+    calls_on: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is op and not node.kwargs:
+            source = node.args[0]
+            if isinstance(source, torch.fx.Node):
+                calls_on.setdefault(source, []).append(node)
+    fused = 0
+    for source, nodes in calls_on.items():
+        group = groups.get(tuple(int(node.args[1]) for node in nodes))  # type: ignore[arg-type]
+        if group is None:
+            continue
+        handle, sizes = group
+        with graph.inserting_before(nodes[0]):
+            whole = graph.call_function(op, (source, handle, sum(sizes)))
+            start = 0
+            for node, size in zip(nodes, sizes, strict=True):
+                part = graph.call_function(torch.narrow, (whole, -1, start, size))
+                node.replace_all_uses_with(part)
+                start += size
+        for node in nodes:
+            graph.erase_node(node)
+        fused += 1
+    return fused

@@ -53,7 +53,7 @@ from triollm.model.cpu.gemm import CpuGemm, load_gemm
 from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
 from triollm.model.cpu.helpers import drain_pools
 from triollm.model.ops import define_op
-from triollm.model.shared_input import runs_on_one_input
+from triollm.model.shared_input import fuse_grouped_calls, runs_on_one_input
 
 __all__ = [
     "PackedLinear",
@@ -240,29 +240,7 @@ def fuse_shared_input_calls(graph: torch.fx.Graph, weights: PackedWeights | None
         weights = getattr(_current, "weights", None)
         if weights is None:
             return 0
-    calls_on: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is packed_linear and not node.kwargs:
-            source = node.args[0]
-            if isinstance(source, torch.fx.Node):
-                calls_on.setdefault(source, []).append(node)
-    fused = 0
-    for source, nodes in calls_on.items():
-        group = weights.groups.get(tuple(int(node.args[1]) for node in nodes))  # type: ignore[arg-type]
-        if group is None:
-            continue
-        handle, sizes = group
-        with graph.inserting_before(nodes[0]):
-            whole = graph.call_function(packed_linear, (source, handle, sum(sizes)))
-            start = 0
-            for node, size in zip(nodes, sizes, strict=True):
-                part = graph.call_function(torch.narrow, (whole, -1, start, size))
-                node.replace_all_uses_with(part)
-                start += size
-        for node in nodes:
-            graph.erase_node(node)
-        fused += 1
-    return fused
+    return fuse_grouped_calls(graph, packed_linear, weights.groups)
 
 
 def padded_rows(rows: int) -> int:

@@ -24,7 +24,7 @@ import torch
 from triollm.model.cpu.helpers import drain_pools
 from triollm.model.quantization.avx2_kernels import Avx2Int4Kernel, Avx2Int8Kernel
 from triollm.model.quantization.linear import QuantizedLinear, quantized_linear, register_kernel
-from triollm.model.shared_input import runs_on_one_input
+from triollm.model.shared_input import fuse_grouped_calls, runs_on_one_input
 
 __all__ = ["fuse_quantized_calls", "group_quantized_layers"]
 
@@ -88,26 +88,4 @@ def fuse_quantized_calls(graph: torch.fx.Graph) -> int:
     each group ``group_quantized_layers`` made, where all of its members are called on
     one input, by one call over the group and a slice of its result for each member.
     Returns how many groups were fused."""
-    calls_on: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is quantized_linear and not node.kwargs:
-            source = node.args[0]
-            if isinstance(source, torch.fx.Node):
-                calls_on.setdefault(source, []).append(node)
-    fused = 0
-    for source, nodes in calls_on.items():
-        group = _groups.get(tuple(int(node.args[1]) for node in nodes))  # type: ignore[arg-type]
-        if group is None:
-            continue
-        handle, sizes = group
-        with graph.inserting_before(nodes[0]):
-            whole = graph.call_function(quantized_linear, (source, handle, sum(sizes)))
-            start = 0
-            for node, size in zip(nodes, sizes, strict=True):
-                part = graph.call_function(torch.narrow, (whole, -1, start, size))
-                node.replace_all_uses_with(part)
-                start += size
-        for node in nodes:
-            graph.erase_node(node)
-        fused += 1
-    return fused
+    return fuse_grouped_calls(graph, quantized_linear, _groups)
