@@ -144,3 +144,16 @@ def finish_and_abort_a_mix(core: Any, prompts: Sequence[Any]) -> None:
         core.step()
     stats = core.statistics()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def graph_of_calls(op: Callable[..., Any], inputs: list[int], handles: list[int]) -> Any:
+    """An FX graph calling ``op(x<input>, handle, 16)`` for each pair, in order (the
+    linear-layer ops a compiled forward fuses by group)."""
+    import torch
+
+    graph = torch.fx.Graph()
+    sources = [graph.placeholder(f"x{i}") for i in range(max(inputs) + 1)]
+    outputs = [graph.call_function(op, (sources[i], handle, 16))
+               for i, handle in zip(inputs, handles, strict=True)]
+    graph.output(tuple(outputs))
+    return graph

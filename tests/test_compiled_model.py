@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from helpers import graph_of_calls
 from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import LLM, SamplingParams
 from triollm.engine import args as engine_args
@@ -175,15 +176,6 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
     assert results[True][1].logprobs == results[False][1].logprobs
 
 
-def _graph_of_calls(inputs: list[int], handles: list[int]) -> torch.fx.Graph:
-    graph = torch.fx.Graph()
-    sources = [graph.placeholder(f"x{i}") for i in range(max(inputs) + 1)]
-    outputs = [graph.call_function(packed_linear.packed_linear, (sources[i], handle, 16))
-               for i, handle in zip(inputs, handles, strict=True)]
-    graph.output(tuple(outputs))
-    return graph
-
-
 def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> None:
     if packed_linear._bf16_gemm() is None:
         pytest.skip("layers are grouped on model/cpu/gemm.py's layout only (AVX512-BF16, "
@@ -199,7 +191,7 @@ def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> No
     assert layers[0].packed_weight.data_ptr() + layers[0].packed_weight.nbytes == (
         layers[1].packed_weight.data_ptr())
     first, second, third = (layer.handle for layer in layers)
-    fused = _graph_of_calls([0, 0], [first, second])
+    fused = graph_of_calls(packed_linear.packed_linear, [0, 0], [first, second])
     assert packed_linear.fuse_shared_input_calls(fused, weights) == 1
     module = torch.fx.GraphModule(torch.nn.Module(), fused)
     with packed_linear.packed_weights(weights):
@@ -208,8 +200,8 @@ def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> No
         assert torch.equal(got, want)
     for inputs, handles in (([0, 0, 0], [first, second, third]), ([0, 1], [first, second]),
                             ([0, 0], [second, first])):
-        assert packed_linear.fuse_shared_input_calls(_graph_of_calls(inputs, handles),
-                                                     weights) == 0
+        graph = graph_of_calls(packed_linear.packed_linear, inputs, handles)
+        assert packed_linear.fuse_shared_input_calls(graph, weights) == 0
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import graph_of_calls
 from test_greedy_matches_transformers import PROMPTS
 from triollm import LLM, SamplingParams
 from triollm.model.quantization import grouping, linear
@@ -84,15 +85,6 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
     assert results[True][1].logprobs == results[False][1].logprobs
 
 
-def _graph_of_calls(inputs: list[int], handles: list[int]) -> torch.fx.Graph:
-    graph = torch.fx.Graph()
-    sources = [graph.placeholder(f"x{i}") for i in range(max(inputs) + 1)]
-    outputs = [graph.call_function(linear.quantized_linear, (sources[i], handle, 16))
-               for i, handle in zip(inputs, handles, strict=True)]
-    graph.output(tuple(outputs))
-    return graph
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_group_is_fused_only_where_exactly_its_members_share_the_input(bits: int) -> None:
     layers = [_layer(16 * (i + 1), i, bits) for i in range(3)]
@@ -105,14 +97,15 @@ def test_a_group_is_fused_only_where_exactly_its_members_share_the_input(bits: i
     assert first.weight.data_ptr() + first.weight.nbytes == second.weight.data_ptr()
     assert first.scales.data_ptr() + first.scales.nbytes == second.scales.data_ptr()
     handles = [layer.handle for layer in layers]
-    fused = _graph_of_calls([0, 0], handles[:2])
+    fused = graph_of_calls(linear.quantized_linear, [0, 0], handles[:2])
     assert grouping.fuse_quantized_calls(fused) == 1
     got_all = torch.fx.GraphModule(torch.nn.Module(), fused)(x)
     for got, want, layer in zip(got_all, expected[:2], layers[:2], strict=True):
         assert torch.equal(got, want) and torch.equal(layer(x), want)
     for inputs, members in (([0, 0, 0], handles), ([0, 1], handles[:2]),
                             ([0, 0], handles[1::-1])):
-        assert grouping.fuse_quantized_calls(_graph_of_calls(inputs, members)) == 0
+        graph = graph_of_calls(linear.quantized_linear, inputs, members)
+        assert grouping.fuse_quantized_calls(graph) == 0
 
 
 def test_layers_of_other_kinds_or_group_sizes_stay_apart() -> None:

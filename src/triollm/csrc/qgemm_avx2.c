@@ -155,18 +155,5 @@ QGEMM_PRODUCT_UNIT(float, 16)
 QGEMM_ENTRY_POINTS(triollm_qgemm_avx2, qgemm_widened_bytes, qgemm_prepare_widened)
 
 #else
-/* Stubs with the same signatures, never called (triollm_qgemm_avx2_supported says so). */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-int triollm_qgemm_avx2_supported(void) { return 0; }
-int triollm_qgemm_avx2(const uint16_t* x, const void* w, const void* scales, uint16_t* y,
-                       int64_t m, int64_t n, int64_t k, int64_t gsize, int threads) {
-    return 0;
-}
-int triollm_qgemm_avx2_pooled(const uint16_t* x, const void* w, const void* scales,
-                              uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t gsize,
-                              int helpers) {
-    return 0;
-}
-#pragma GCC diagnostic pop
+QGEMM_STUBS(triollm_qgemm_avx2)
 #endif

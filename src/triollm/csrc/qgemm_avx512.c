@@ -221,22 +221,12 @@ void triollm_qdequantize_avx512(const void* w, const void* scales, uint16_t* out
 }
 
 #else
-/* Stubs with the same signatures, never called (triollm_qgemm_avx512_supported says
-   so). */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-int triollm_qgemm_avx512_supported(void) { return 0; }
-int triollm_qgemm_avx512(const uint16_t* x, const void* w, const void* scales, uint16_t* y,
-                         int64_t m, int64_t n, int64_t k, int64_t gsize, int threads) {
-    return 0;
-}
-int triollm_qgemm_avx512_pooled(const uint16_t* x, const void* w, const void* scales,
-                                uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t gsize,
-                                int helpers) {
-    return 0;
-}
+QGEMM_STUBS(triollm_qgemm_avx512)
+/* never called either */
 void triollm_qdequantize_avx512(const void* w, const void* scales, uint16_t* out,
                                 int64_t first, int64_t count, int64_t k, int64_t gsize,
-                                int threads) {}
-#pragma GCC diagnostic pop
+                                int threads) {
+    (void)w, (void)scales, (void)out, (void)first, (void)count, (void)k, (void)gsize,
+        (void)threads;
+}
 #endif

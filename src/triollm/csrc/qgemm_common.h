@@ -147,4 +147,20 @@ int NAME##_pooled(const uint16_t* x, const void* w, const void* scales, uint16_t
     return 1;                                                                           \
 }
 
+/* NAME_supported (0), NAME and NAME_pooled with the entry points' signatures, for a
+   build without the kernel's instructions: never called (NAME_supported says so). */
+#define QGEMM_STUBS(NAME)                                                               \
+_Pragma("GCC diagnostic push")                                                          \
+_Pragma("GCC diagnostic ignored \"-Wunused-parameter\"")                               \
+int NAME##_supported(void) { return 0; }                                                \
+int NAME(const uint16_t* x, const void* w, const void* scales, uint16_t* y, int64_t m,  \
+         int64_t n, int64_t k, int64_t gsize, int threads) {                            \
+    return 0;                                                                           \
+}                                                                                       \
+int NAME##_pooled(const uint16_t* x, const void* w, const void* scales, uint16_t* y,    \
+                  int64_t m, int64_t n, int64_t k, int64_t gsize, int helpers) {        \
+    return 0;                                                                           \
+}                                                                                       \
+_Pragma("GCC diagnostic pop")
+
 #endif

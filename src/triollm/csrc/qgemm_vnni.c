@@ -264,19 +264,5 @@ static void product_unit(const product* a, int64_t unit, pool_job* job) {
 QGEMM_ENTRY_POINTS(triollm_qgemm_vnni, prepared_bytes, prepare_integers)
 
 #else
-/* Stubs with the same signatures, never called (triollm_qgemm_vnni_supported says
-   so). */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-int triollm_qgemm_vnni_supported(void) { return 0; }
-int triollm_qgemm_vnni(const uint16_t* x, const void* w, const void* scales, uint16_t* y,
-                       int64_t m, int64_t n, int64_t k, int64_t gsize, int threads) {
-    return 0;
-}
-int triollm_qgemm_vnni_pooled(const uint16_t* x, const void* w, const void* scales,
-                              uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t gsize,
-                              int helpers) {
-    return 0;
-}
-#pragma GCC diagnostic pop
+QGEMM_STUBS(triollm_qgemm_vnni)
 #endif
