@@ -115,10 +115,13 @@ static void prepare_integers(const uint16_t* x, void* scratch, product* a) {
     a->xs = terms;
 }
 
-/* acc += a (unsigned bytes) . b (signed bytes), in place: gcc's register allocation of
-   the intrinsic copies every accumulator on each use (about twice the instructions). */
-static inline __attribute__((always_inline)) __m512i dot(__m512i acc, __m512i a, __m512i b) {
-    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+/* acc += a (unsigned bytes) . the 4 signed bytes at b, broadcast, in place: gcc's
+   register allocation of the intrinsic copies every accumulator on each use (about
+   twice the instructions), and a broadcast from memory is a load where one from a
+   general register is two more uops on the vector ports. */
+static inline __attribute__((always_inline)) __m512i dot(__m512i acc, __m512i a,
+                                                         const int8_t* b) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const int32_t*)b));
     return acc;
 }
 
@@ -126,12 +129,11 @@ static inline __attribute__((always_inline)) __m512i dot(__m512i acc, __m512i a,
    (w0, w1: 4 unsigned weight bytes per output each) for rows [0, rows). */
 #define DOT_OCTET(w0, w1, at)                                                            \
     for (int r = 0; r < rows; r++) {                                                     \
-        int32_t q[4];                                                                    \
-        memcpy(q, xq + r * 2 * k + (at), sizeof q);                                      \
-        acc[r][0] = dot(acc[r][0], w0, _mm512_set1_epi32(q[0]));         \
-        acc[r][1] = dot(acc[r][1], w1, _mm512_set1_epi32(q[1]));         \
-        acc[r][2] = dot(acc[r][2], w0, _mm512_set1_epi32(q[2]));         \
-        acc[r][3] = dot(acc[r][3], w1, _mm512_set1_epi32(q[3]));         \
+        const int8_t* q = xq + r * 2 * k + (at);                                        \
+        acc[r][0] = dot(acc[r][0], w0, q);                                               \
+        acc[r][1] = dot(acc[r][1], w1, q + 4);                                           \
+        acc[r][2] = dot(acc[r][2], w0, q + 8);                                           \
+        acc[r][3] = dot(acc[r][3], w1, q + 12);                                          \
     }
 
 /* A block's integer sums for rows [0, rows) into out: scale and zero (16 outputs'
