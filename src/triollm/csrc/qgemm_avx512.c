@@ -117,17 +117,6 @@ static inline __attribute__((always_inline)) void q8_tile(
     }
 }
 
-/* 16 fp32 -> 16 bf16, rounded to nearest even (NaN stays NaN), without AVX512-BF16. */
-static inline __m256i to_bf16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                    _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(rounded);
-}
-
 /* One row's sums, rounded to bf16, into y. */
 static inline void store_sums(uint16_t* y, const __m512* sums) {
     _mm256_storeu_si256((__m256i*)y, to_bf16(*sums));

@@ -2,7 +2,8 @@
    their tiles: the product's arguments, the inputs widened to fp32 with their group sums
    (the fp32 kernels' prepared inputs), a unit of work over fp32 inputs
    (QGEMM_PRODUCT_UNIT, over a kernel's tiles) and the plain (OpenMP) and pooled entry
-   points over any kernel's product_unit and prepared inputs (QGEMM_ENTRY_POINTS). */
+   points over any kernel's product_unit and prepared inputs (QGEMM_ENTRY_POINTS); and
+   for the AVX-512 kernels, fp32 to bf16 (to_bf16). */
 #ifndef TRIOLLM_QGEMM_COMMON_H
 #define TRIOLLM_QGEMM_COMMON_H
 
@@ -162,5 +163,21 @@ int NAME##_pooled(const uint16_t* x, const void* w, const void* scales, uint16_t
     return 0;                                                                           \
 }                                                                                       \
 _Pragma("GCC diagnostic pop")
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* 16 fp32 -> 16 bf16, rounded to nearest even (NaN stays NaN), without AVX512-BF16 (the
+   AVX-512 and VNNI kernels). */
+static inline __m256i to_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                    _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+#endif
 
 #endif

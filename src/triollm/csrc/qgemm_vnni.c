@@ -136,6 +136,14 @@ static inline __attribute__((always_inline)) __m512i dot(__m512i acc, __m512i a,
         acc[r][3] = dot(acc[r][3], w1, q + 12);                                          \
     }
 
+/* Zeroes a block's accumulators for rows [0, rows). */
+static inline __attribute__((always_inline)) void zero_accumulators(
+    __m512i acc[CHUNK][4], const int rows)
+{
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
+}
+
 /* A block's integer sums for rows [0, rows) into out: scale and zero (16 outputs'
    fp32 scales and zero terms) with each row's d and d Q. */
 static inline __attribute__((always_inline)) void add_block(
@@ -163,8 +171,7 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i acc[CHUNK][4];
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
+        zero_accumulators(acc, rows);
         for (int64_t o = b * octets; o < (b + 1) * octets; o++) {
             const __m512i v = _mm512_loadu_si512(w + 16 * o);
             _mm_prefetch((const char*)(w + 16 * o) + AHEAD, _MM_HINT_T0);
@@ -197,8 +204,7 @@ static inline __attribute__((always_inline)) void q8_tile(
     for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i acc[CHUNK][4];
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
+        zero_accumulators(acc, rows);
         for (int64_t o = b * octets; o < (b + 1) * octets; o++) {
             const int8_t* wo = w + 128 * o;
             _mm_prefetch((const char*)wo + AHEAD, _MM_HINT_T0);
@@ -211,17 +217,6 @@ static inline __attribute__((always_inline)) void q8_tile(
         }
         add_block(acc, out, terms + 2 * b, 2 * blocks, scale, zero, rows);
     }
-}
-
-/* 16 fp32 -> 16 bf16, rounded to nearest even (NaN stays NaN). */
-static inline __m256i to_bf16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                    _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(rounded);
 }
 
 /* The unit of work: rows [16 rb, 16 rb + 16) of output block u, CHUNK rows at a time;
