@@ -157,3 +157,20 @@ def graph_of_calls(op: Callable[..., Any], inputs: list[int], handles: list[int]
                for i, handle in zip(inputs, handles, strict=True)]
     graph.output(tuple(outputs))
     return graph
+
+
+def assert_grouping_keeps_outputs(config: Any, steps: int, grouped: tuple[list[int], Any],
+                                  plain: tuple[list[int], Any], head: list[int]) -> None:
+    """A compiled Llama's run with q/k/v and gate/up grouped against one without: each
+    ``(calls, completion)``, the calls being each linear call's output width in order.
+    Grouped, a layer makes 4 calls (then ``head``'s, per step), ungrouped 7; both give
+    the same tokens and logprobs."""
+    heads = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    layers = config.num_hidden_layers
+    per_layer = [heads + 2 * kv, config.hidden_size, 2 * config.intermediate_size,
+                 config.hidden_size]
+    assert grouped[0] == [*per_layer * layers, *head] * steps
+    assert len(plain[0]) == (7 * layers + len(head)) * steps
+    assert grouped[1].token_ids == plain[1].token_ids
+    assert grouped[1].logprobs == plain[1].logprobs

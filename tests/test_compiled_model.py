@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import graph_of_calls
+from helpers import assert_grouping_keeps_outputs, graph_of_calls
 from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import LLM, SamplingParams
 from triollm.engine import args as engine_args
@@ -165,15 +165,8 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
                       for p in (attention.q_proj, attention.k_proj, attention.v_proj)}
             assert len(shared) == (1 if grouped else 3)
     config = llm.engine.runner.model.config
-    heads = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    layers, steps = config.num_hidden_layers, params.max_tokens
-    per_layer = [heads + 2 * kv, config.hidden_size, 2 * config.intermediate_size,
-                 config.hidden_size]
-    assert results[True][0] == ([*per_layer * layers, config.vocab_size] * steps)
-    assert len(results[False][0]) == (7 * layers + 1) * steps
-    assert results[True][1].token_ids == results[False][1].token_ids
-    assert results[True][1].logprobs == results[False][1].logprobs
+    assert_grouping_keeps_outputs(config, params.max_tokens, results[True], results[False],
+                                  [config.vocab_size])
 
 
 def test_a_group_is_fused_only_where_exactly_its_members_share_the_input() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import graph_of_calls
+from helpers import assert_grouping_keeps_outputs, graph_of_calls
 from test_greedy_matches_transformers import PROMPTS
 from triollm import LLM, SamplingParams
 from triollm.model.quantization import grouping, linear
@@ -73,16 +73,9 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
                       for layer in projections}
             assert len(shared) == (1 if grouped else 3)
     config = llm.engine.runner.model.config
-    heads = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    layers, steps = config.num_hidden_layers, params.max_tokens
-    per_layer = [heads + 2 * kv, config.hidden_size, 2 * config.intermediate_size,
-                 config.hidden_size]
-    head = [config.vocab_size] * (len(results[True][0]) // steps - 4 * layers)
-    assert results[True][0] == [*per_layer * layers, *head] * steps
-    assert len(results[False][0]) == (7 * layers + len(head)) * steps
-    assert results[True][1].token_ids == results[False][1].token_ids
-    assert results[True][1].logprobs == results[False][1].logprobs
+    steps = params.max_tokens
+    head = [config.vocab_size] * (len(results[True][0]) // steps - 4 * config.num_hidden_layers)
+    assert_grouping_keeps_outputs(config, steps, results[True], results[False], head)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
