@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from triollm import LLM, SamplingParams
+from triollm.model.attention import compute as attention_compute
 from triollm.model.attention.kernel import DecodeStepKernel
 from triollm.model.attention.kv_storage import EIGHT_BIT_CACHE_DTYPES, write_slots
 from triollm.model.attention.metadata import (
@@ -214,6 +215,22 @@ def _generate(llm: LLM) -> list[list[int]]:
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
                                                    ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_prefill_attention_computes_in_bf16_only_on_an_amx_cpu(
+        monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
+    """A bf16 model's prefill chunks run SDPA in bf16 where the CPU has AMX-BF16; its
+    decodes, an fp32 model and a CPU without AMX compute in fp32."""
+    monkeypatch.setattr(attention_compute, "_has_amx_bf16", lambda: amx)
+    dtype_of = attention_compute.attention_dtype
+    cache = torch.empty(1, 1, 16, 8, dtype=torch.bfloat16)
+    assert dtype_of(torch.bfloat16, cache, prefill=True) == (
+        torch.bfloat16 if amx else torch.float32)
+    assert dtype_of(torch.bfloat16, cache, prefill=False) == torch.float32
+    assert dtype_of(torch.bfloat16, cache.float(), prefill=True) == (
+        torch.bfloat16 if amx else torch.float32)  # enforce_eager's fp32 cache
+    assert dtype_of(torch.float32, cache.float(), prefill=True) == torch.float32
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -186,17 +186,36 @@ def test_bf16_layers_take_the_avx512_bf16_kernel_where_the_cpu_has_it() -> None:
     assert odd_width.packed_weight.is_mkldnn and fp32.packed_weight.is_mkldnn
 
 
-@given(rows=st.integers(0, 40), blocks=st.integers(1, 6), pairs=st.integers(1, 70),
-       with_bias=st.booleans(), strided=st.booleans(), seed=st.integers(0, 2**16))
-def test_the_bf16_kernel_gives_the_fp32_product_to_bf16_rounding(
-        rows: int, blocks: int, pairs: int, with_bias: bool, strided: bool, seed: int
-) -> None:
-    """Any row count (full and partial tiles of 8 rows), one or two 16-wide output blocks
-    per tile, any even input width, with and without a bias, on contiguous inputs and on
-    strided ones (a transposed view)."""
+def test_bf16_products_run_on_amx_tiles_where_the_cpu_has_them() -> None:
     gemm = load_gemm()
     if gemm is None:
         pytest.skip("no AVX512-BF16 on this CPU")
+    assert gemm.has_tiles == ("amx_bf16" in native_build.cpu_flags())
+
+
+@given(rows=st.integers(0, 70), blocks=st.integers(1, 6),
+       pairs=st.one_of(st.integers(1, 70), st.sampled_from([16, 32, 48])),
+       with_bias=st.booleans(), strided=st.booleans(), tiles=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_the_bf16_kernel_gives_the_fp32_product_to_bf16_rounding(
+        rows: int, blocks: int, pairs: int, with_bias: bool, strided: bool, tiles: bool,
+        seed: int) -> None:
+    """Any row count (full and partial tiles of 8 rows, of AMX's 16 and 32), one or two
+    16-wide output blocks per tile, any even input width (AMX's multiples of 32 among
+    them), with and without a bias, on contiguous inputs and on strided ones (a
+    transposed view); on AMX tiles and off them, where the CPU has them."""
+    gemm = load_gemm()
+    if gemm is None:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    tiles_from = gemm.use_tiles_from(1 if tiles else 0)
+    try:
+        _check_bf16_product(rows, blocks, pairs, with_bias, strided, seed)
+    finally:
+        gemm.use_tiles_from(tiles_from)
+
+
+def _check_bf16_product(rows: int, blocks: int, pairs: int, with_bias: bool, strided: bool,
+                        seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(16 * blocks, 2 * pairs, generator=generator).bfloat16()
     bias = torch.randn(16 * blocks, generator=generator).bfloat16() if with_bias else None

@@ -216,27 +216,29 @@ def test_an_avx512_cpu_takes_an_avx512_kernel_not_the_avx2_one(
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(1, 150), bits=st.sampled_from([4, 8]), blocks=st.integers(1, 6),
        steps=st.integers(1, 12), per_slice=st.integers(1, 4), act_order=st.booleans(),
-       seed=st.integers(0, 2**16))
+       tiles=st.booleans(), seed=st.integers(0, 2**16))
 def test_many_rows_multiply_the_weight_dequantized_a_slice_at_a_time(
         rows: int, bits: int, blocks: int, steps: int, per_slice: int, act_order: bool,
-        seed: int) -> None:
+        tiles: bool, seed: int) -> None:
     """Past its row threshold (on AMX CPUs; here forced at any count) the AVX-512 kernel
-    dequantizes slices of ``per_slice`` blocks of 16 outputs into bf16 for torch's
-    ``linear``."""
+    dequantizes slices of ``per_slice`` blocks of 16 outputs into bf16: in gemm.py's
+    layout for its AMX tiles (inputs a multiple of 32 wide, where the CPU has them), or
+    row-major for torch's ``linear``."""
     in_features = 8 * steps * (1 if bits == 8 else 2)
     weight = _weight(bits, 16 * blocks, in_features, in_features // 2 if bits == 4 else -1,
                      act_order and bits == 4, seed)
     kernel = AVX512.build(bits, weight)
     gemm = AVX512.gemm()
     assert isinstance(gemm, avx512_kernels.Avx512Gemm)
-    saved = (gemm.dequantize_int4_from, gemm.dequantize_int8_from,
+    saved = (gemm.dequantize_int4_from, gemm.dequantize_int8_from, gemm.tiles,
              avx512_kernels.SLICE_ELEMENTS)
     gemm.dequantize_int4_from = gemm.dequantize_int8_from = 1
+    gemm.tiles = gemm.tiles if tiles else None
     avx512_kernels.SLICE_ELEMENTS = 16 * per_slice * in_features
     try:
         _assert_computes(kernel, weight, rows, seed)
     finally:
-        (gemm.dequantize_int4_from, gemm.dequantize_int8_from,
+        (gemm.dequantize_int4_from, gemm.dequantize_int8_from, gemm.tiles,
          avx512_kernels.SLICE_ELEMENTS) = saved
 
 

@@ -1,5 +1,7 @@
 /* bf16 GEMM over weights packed [out/16][in/2][16][2] for vdpbf16ps (model/cpu/gemm.py),
-   on OpenMP or the helper pool; an empty library off AVX512-BF16. */
+   or from AMX_FROM_ROWS rows on AMX tiles where the CPU has them (gemm_amx.h), on
+   OpenMP or the helper pool; an empty library off AVX512-BF16. */
+#define _DEFAULT_SOURCE  /* syscall(), for the AMX permission */
 #include "pool.h"
 
 #include <stdlib.h>
@@ -21,6 +23,22 @@ static inline void store_row(uint16_t* y, __m512 sums, const float* bias) {
     if (bias) sums = _mm512_add_ps(sums, _mm512_loadu_ps(bias));
     _mm256_storeu_si256((__m256i*)y, (__m256i)_mm512_cvtneps_pbh(sums));
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "gemm_amx.h"
+#else
+#define AMX_ROWS ROWS
+int triollm_gemm_amx_from_rows(int rows) { (void)rows; return 0; }
+int triollm_gemm_amx_supported(void) { return 0; }
+static inline int amx_takes(int64_t m, int64_t k) { (void)m; (void)k; return 0; }
+static inline void release_tiles(void) {}
+static inline void amx_unit(const uint16_t* x, const uint16_t* packed, const float* bias,
+                            uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t u,
+                            int64_t c, pool_job* job, int64_t unit) {
+    (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)u;
+    (void)c; (void)job; (void)unit;
+}
+#endif
 
 /* Rows [m0, m0 + rows) times the 16-wide output blocks at w0 and w1 (w1 NULL: one
    block). Always inlined, so the calls with rows == ROWS get loops of constant trip
@@ -86,11 +104,20 @@ static inline void gemm_unit(const uint16_t* x, const uint16_t* packed, const fl
 void triollm_gemm_bf16(const uint16_t* x, const uint16_t* packed, const float* bias,
                        uint16_t* y, int64_t m, int64_t n, int64_t k, int threads)
 {
-    const int64_t units = (n / 16 + 1) / 2, chunks = (m + ROWS - 1) / ROWS;
-    #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-    for (int64_t u = 0; u < units; u++)
-        for (int64_t c = 0; c < chunks; c++)
-            gemm_unit(x, packed, bias, y, m, n, k, u, c, NULL, 0);
+    const int amx = amx_takes(m, k);
+    const int64_t units = (n / 16 + 1) / 2, rows = amx ? AMX_ROWS : ROWS;
+    const int64_t chunks = (m + rows - 1) / rows;
+    #pragma omp parallel num_threads(threads)
+    {
+        /* a thread's units share their weights: it goes down the rows of each pair */
+        #pragma omp for schedule(static) collapse(2)
+        for (int64_t u = 0; u < units; u++)
+            for (int64_t c = 0; c < chunks; c++) {
+                if (amx) amx_unit(x, packed, bias, y, m, n, k, u, c, NULL, 0);
+                else gemm_unit(x, packed, bias, y, m, n, k, u, c, NULL, 0);
+            }
+        if (amx) release_tiles();
+    }
 }
 
 typedef struct {
@@ -100,10 +127,17 @@ typedef struct {
     const float* bias;
     uint16_t* y;
     int64_t m, n, k, chunks;
+    int amx;
 } gemm_job;
 
 static void gemm_job_unit(pool_job* base, int64_t unit, int helper) {
     const gemm_job* job = (const gemm_job*)base;
+    if (job->amx) {
+        amx_unit(job->x, job->packed, job->bias, job->y, job->m, job->n, job->k,
+                 unit / job->chunks, unit % job->chunks, helper ? base : NULL, unit);
+        release_tiles();
+        return;
+    }
     gemm_unit(job->x, job->packed, job->bias, job->y, job->m, job->n, job->k,
               unit / job->chunks, unit % job->chunks, helper ? base : NULL, unit);
 }
@@ -113,7 +147,9 @@ static void gemm_job_unit(pool_job* base, int64_t unit, int helper) {
 void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const float* bias,
                               uint16_t* y, int64_t m, int64_t n, int64_t k, int helpers)
 {
-    const int64_t chunks = (m + ROWS - 1) / ROWS, units = (n / 16 + 1) / 2 * chunks;
+    const int amx = amx_takes(m, k);
+    const int64_t rows = amx ? AMX_ROWS : ROWS;
+    const int64_t chunks = (m + rows - 1) / rows, units = (n / 16 + 1) / 2 * chunks;
     const size_t head = (sizeof(gemm_job) + (size_t)units + 63) & ~(size_t)63;
     gemm_job* job = (gemm_job*)malloc(head + (size_t)(m * k) * sizeof(uint16_t));
     if (job == NULL) {
@@ -133,6 +169,7 @@ void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const f
     job->n = n;
     job->k = k;
     job->chunks = chunks;
+    job->amx = amx;
     triollm_pool_run(&job->base, helpers);
 }
 #else
@@ -140,6 +177,8 @@ void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const f
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 int triollm_gemm_supported(void) { return 0; }
+int triollm_gemm_amx_from_rows(int rows) { return 0; }
+int triollm_gemm_amx_supported(void) { return 0; }
 void triollm_gemm_bf16(const uint16_t* x, const uint16_t* packed, const float* bias,
                        uint16_t* y, int64_t m, int64_t n, int64_t k, int threads) {}
 void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const float* bias,

@@ -126,19 +126,31 @@ QGEMM_PRODUCT_UNIT(__m512, 1)
 
 QGEMM_ENTRY_POINTS(triollm_qgemm_avx512, qgemm_widened_bytes, qgemm_prepare_widened)
 
-/* w[i] (i < 8): 16 outputs' fp32 weights of inputs c + i, stored as rows j of out
-   (bf16, stride k), 8 from column c. */
-static inline void store_transposed(uint16_t* out, int64_t k, const __m512 w[8]) {
-    /* d[s]: dword j = output j's pair of inputs c + 2s, c + 2s + 1 */
-    const __m512i interleave = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
-                                                 6, 22, 7, 23);
-    __m512i d[4];
+/* w[i] (i < 8): 16 outputs' fp32 weights of inputs c + i, as d[s]: dword j = output
+   j's bf16 pair of inputs c + 2s, c + 2s + 1 (a 64-byte row of gemm.c's layout). */
+static inline void pairs_of(const __m512 w[8], __m512i d[4]) {
     for (int s = 0; s < 4; s++) {
         const __m512i even = _mm512_cvtepu16_epi32(to_bf16(w[2 * s]));
         const __m512i odd = _mm512_slli_epi32(
             _mm512_cvtepu16_epi32(to_bf16(w[2 * s + 1])), 16);
         d[s] = _mm512_or_si512(even, odd);
     }
+}
+
+/* w as pairs_of takes it, stored in gemm.c's layout: out is the block's [k/2][16][2]. */
+static inline void store_pairs(uint16_t* out, int64_t c, const __m512 w[8]) {
+    __m512i d[4];
+    pairs_of(w, d);
+    for (int s = 0; s < 4; s++)
+        _mm512_storeu_si512(out + (c / 2 + s) * 32, d[s]);
+}
+
+/* w as pairs_of takes it, stored as rows j of out (bf16, stride k), 8 from column c. */
+static inline void store_transposed(uint16_t* out, int64_t k, const __m512 w[8]) {
+    const __m512i interleave = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                                 6, 22, 7, 23);
+    __m512i d[4];
+    pairs_of(w, d);
     const __m512i pairs_hi = _mm512_add_epi32(interleave, _mm512_set1_epi32(8));
     const __m512i quads_lo = _mm512_setr_epi32(0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21,
                                                6, 7, 22, 23);
@@ -160,10 +172,10 @@ static inline void store_transposed(uint16_t* out, int64_t k, const __m512 w[8])
     }
 }
 
-/* Output block u of the weight, dequantized into rows [16 (u - first), +16) of out
-   (bf16, [16 count][k]); k a multiple of 8. */
+/* Output block u of the weight, dequantized into block u - first of out (bf16, [16
+   count][k] row-major, or with `pairs` gemm.c's [count][k/2][16][2]); k a multiple of 8. */
 static void dequantize_block(const void* w, const void* scales, uint16_t* out,
-                             int64_t u, int64_t first, int64_t k, int64_t gsize) {
+                             int64_t u, int64_t first, int64_t k, int64_t gsize, int pairs) {
     uint16_t* rows = out + 16 * (u - first) * k;
     const __m512i nibble = _mm512_set1_epi32(0xF);
     if (gsize) {
@@ -180,7 +192,8 @@ static void dequantize_block(const void* w, const void* scales, uint16_t* out,
                 for (int i = 0; i < 8; i++)
                     q[i] = _mm512_fmsub_ps(scale, _mm512_cvtepi32_ps(_mm512_and_si512(
                         _mm512_srli_epi32(v, 4 * i), nibble)), zero);
-                store_transposed(rows + 8 * o, k, q);
+                if (pairs) store_pairs(rows, 8 * o, q);
+                else store_transposed(rows + 8 * o, k, q);
             }
         }
     } else {
@@ -191,22 +204,23 @@ static void dequantize_block(const void* w, const void* scales, uint16_t* out,
             for (int i = 0; i < 8; i++)
                 q[i] = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                     _mm_loadu_si128((const __m128i*)(wu + 16 * (c + i))))));
-            store_transposed(rows + c, k, q);
+            if (pairs) store_pairs(rows, c, q);
+            else store_transposed(rows + c, k, q);
         }
     }
 }
 
 /* Output blocks [first, first + count) of the weight (either layout, gsize 0: int8)
-   dequantized into out: bf16 [16 count][k], row-major, as torch's linear takes it; k a
-   multiple of 8. For many rows, where a bf16 GEMM (oneDNN's, on AMX) outruns
-   unpacking the weight once per 4 rows. */
+   dequantized into out: bf16 [16 count][k], row-major, as torch's linear takes it, or
+   with `pairs` in gemm.c's layout; k a multiple of 8. For many rows, where a bf16 GEMM
+   (on AMX) outruns unpacking the weight once per 4 rows. */
 void triollm_qdequantize_avx512(const void* w, const void* scales, uint16_t* out,
                                 int64_t first, int64_t count, int64_t k, int64_t gsize,
-                                int threads)
+                                int pairs, int threads)
 {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t u = first; u < first + count; u++)
-        dequantize_block(w, scales, out, u, first, k, gsize);
+        dequantize_block(w, scales, out, u, first, k, gsize, pairs);
 }
 
 #else
@@ -214,8 +228,8 @@ QGEMM_STUBS(triollm_qgemm_avx512)
 /* never called either */
 void triollm_qdequantize_avx512(const void* w, const void* scales, uint16_t* out,
                                 int64_t first, int64_t count, int64_t k, int64_t gsize,
-                                int threads) {
+                                int pairs, int threads) {
     (void)w, (void)scales, (void)out, (void)first, (void)count, (void)k, (void)gsize,
-        (void)threads;
+        (void)pairs, (void)threads;
 }
 #endif

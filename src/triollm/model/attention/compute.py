@@ -11,13 +11,16 @@ cached prefix plus itself.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 
 from triollm.model.attention.kv_storage import is_eight_bit, write_slots
 from triollm.model.attention.metadata import PagedAttentionMetadata
+from triollm.model.cpu.build import cpu_flags
 
-__all__ = ["attend", "write_and_attend"]
+__all__ = ["attend", "attention_dtype", "write_and_attend"]
 
 
 def attend(
@@ -47,6 +50,24 @@ def attend(
     return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
 
 
+def attention_dtype(model_dtype: torch.dtype, key_cache: torch.Tensor, prefill: bool
+                    ) -> torch.dtype:
+    """What SDPA computes in over ``key_cache``: on CPU, a bf16 model's prefill chunks in
+    bf16 where the CPU has AMX-BF16 (torch's flash attention runs on its tiles, 2-2.6x
+    faster than fp32 from 128 tokens, docs/benchmarks.md), all else in fp32 (several
+    times faster than bf16 without AMX; decodes as the C decode kernel computes);
+    elsewhere in the cache's dtype, or fp32 over an 8-bit cache."""
+    if key_cache.device.type == "cpu":
+        return (torch.bfloat16 if prefill and model_dtype == torch.bfloat16
+                and _has_amx_bf16() else torch.float32)
+    return torch.float32 if is_eight_bit(key_cache.dtype) else key_cache.dtype
+
+
+@cache
+def _has_amx_bf16() -> bool:
+    return "amx_bf16" in cpu_flags()
+
+
 def write_and_attend(
     meta: PagedAttentionMetadata,
     key_cache: torch.Tensor,
@@ -71,24 +92,19 @@ def write_and_attend(
         if out is not None:
             return out
     heads, _, _, dim = key_cache.shape
-    # Attention computes in fp32 on CPU (where SDPA runs several times faster than in
-    # bf16) and over an 8-bit cache, else in the cache's dtype; the cache may be narrower
-    # (bf16 or 8 bits on CPU, read by the C decode kernel); the result goes back to the
-    # model's dtype.
-    model_dtype = q.dtype
-    compute = key_cache.dtype
-    if key_cache.device.type == "cpu" or is_eight_bit(compute):
-        compute = torch.float32
+    # The cache may be narrower than the model (bf16 or 8 bits on CPU, read by the C
+    # decode kernel); each result is rounded to the model's dtype as it is stored.
     write_slots(key_cache, meta.slot_mapping, k)
     write_slots(value_cache, meta.slot_mapping, v)
-    q = q.to(compute)  # keys and values are converted only where a prefill reads them
 
     out = torch.empty_like(q)
     block_size = key_cache.shape[2]
+    compute = attention_dtype(q.dtype, key_cache, prefill=False)
     for group in meta.decode_groups:
+        group_q = q[:, group.start:group.end].to(compute)
         if meta.decode_kernel is not None:
             out[:, group.start:group.end] = meta.decode_kernel(
-                q[:, group.start:group.end].transpose(0, 1), key_cache, value_cache,
+                group_q.transpose(0, 1), key_cache, value_cache,
                 group.block_tables, group.context_lens, scale, sliding_window, softcap,
             ).transpose(0, 1)
             continue
@@ -99,12 +115,13 @@ def write_and_attend(
             heads, batch, length, dim).to(compute)
         gathered_v = meta.kv_cache.gather(value_cache, flat, "v").view(
             heads, batch, length, dim).to(compute)
-        decode_q = q[:, group.start:group.end].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
+        decode_q = group_q.transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
         decode_out = attend(decode_q, gathered_k.transpose(0, 1), gathered_v.transpose(0, 1),
                              group.mask(sliding_window, block_size), scale, softcap)
         out[:, group.start:group.end] = decode_out[:, :, 0].transpose(0, 1)
+    compute = attention_dtype(q.dtype, key_cache, prefill=True)
     for index, chunk in enumerate(meta.prefills):
-        chunk_q = q[:, chunk.query_start:chunk.query_end]
+        chunk_q = q[:, chunk.query_start:chunk.query_end].to(compute)
         if chunk.context_len == chunk.num_query:
             chunk_k = k[:, chunk.query_start:chunk.query_end].to(compute)
             chunk_v = v[:, chunk.query_start:chunk.query_end].to(compute)
@@ -116,4 +133,4 @@ def write_and_attend(
         mask = meta.prefill_mask(index, sliding_window)
         chunk_out = attend(chunk_q[None], chunk_k[None], chunk_v[None], mask, scale, softcap)
         out[:, chunk.query_start:chunk.query_end] = chunk_out[0]
-    return out.to(model_dtype)
+    return out

@@ -8,8 +8,12 @@ time to stream the weights from memory, and oneDNN's packed bf16 product
 ``vdpbf16ps`` multiplies by one broadcast pair of a row's inputs into 16 fp32 sums. A
 tile is 8 rows by 32 outputs (16 accumulators in registers); threads split the output
 columns (and, with many rows, the row tiles): torch's OpenMP threads, or, while the
-thread policy computes on one thread beside busy cores, helpers.py's pool. Its speed
-against oneDNN (``benchmarks/packed_linear.py``) is in docs/benchmarks.md.
+thread policy computes on one thread beside busy cores, helpers.py's pool. The same
+layout is what an AMX tile multiply reads as its second operand: on CPUs with AMX-BF16
+(Sapphire Rapids and later Xeons) every row count runs on tiles instead, 32 rows by 32
+outputs a unit (``csrc/gemm_amx.h``), as fast as ``vdpbf16ps`` at one row and 1.5-5x
+faster from a few rows to prefill's hundreds. Its speed against oneDNN
+(``benchmarks/packed_linear.py``) is in docs/benchmarks.md.
 
 The library (``csrc/gemm.c``) is built for the CPU it runs on (build.py) and only where the
 compiler targets AVX512-BF16; elsewhere ``load_gemm`` returns None and bf16 layers stay
@@ -37,6 +41,15 @@ class CpuGemm:
         self._function = PooledFunction(
             library, name,
             [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int], None)
+        self._tiles_from = getattr(library, "triollm_gemm_amx_from_rows", None)
+        supported = getattr(library, "triollm_gemm_amx_supported", None)
+        #: Whether products of enough rows run on AMX tiles (gemm_amx.h).
+        self.has_tiles = bool(supported is not None and supported())
+
+    def use_tiles_from(self, rows: int) -> int:
+        """Tests and benchmarks: AMX tiles take products from ``rows`` rows on (0:
+        none), where the library has them, process-wide; returns the count before."""
+        return int(self._tiles_from(rows)) if self._tiles_from is not None else 0
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -75,11 +88,24 @@ class CpuGemm:
 def agrees_with_torch(gemm: CpuGemm, tile_rows: int = 8) -> bool:
     """A kernel over the packed layout against fp32 ``F.linear`` on random shapes: one
     row, one and two output blocks per tile, full and partial tiles of ``tile_rows``
-    rows, with and without a bias."""
+    rows (and of AMX's 16 and 32), with and without a bias; where it has AMX tiles, with
+    and without them."""
+    if not gemm.has_tiles:
+        return _agrees_on_shapes(gemm, tile_rows)
+    tiles_from = gemm.use_tiles_from(0)
+    try:
+        if not _agrees_on_shapes(gemm, tile_rows):
+            return False
+    finally:
+        gemm.use_tiles_from(tiles_from)
+    return _agrees_on_shapes(gemm, tile_rows)
+
+
+def _agrees_on_shapes(gemm: CpuGemm, tile_rows: int) -> bool:
     generator = torch.Generator().manual_seed(0)
     for rows, out_features, in_features, with_bias in (
             (1, 48, 30, True), (tile_rows, 64, 64, False), (13, 16, 128, True),
-            (40, 96, 34, False)):
+            (40, 96, 34, False), (50, 48, 96, True), (64, 32, 64, False)):
         weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
         bias = torch.randn(out_features, generator=generator) if with_bias else None
         x = torch.randn(rows, in_features, generator=generator).bfloat16()

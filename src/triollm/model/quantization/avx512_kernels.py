@@ -25,6 +25,7 @@ from functools import cache
 import torch
 
 from triollm.model.cpu.build import cpu_flags, load_checked
+from triollm.model.cpu.gemm import CpuGemm, load_gemm
 from triollm.model.cpu.helpers import spare_threads
 from triollm.model.quantization.avx2_kernels import (
     Avx2Int4Kernel,
@@ -62,7 +63,7 @@ class Avx512Gemm(QuantizedGemm):
         self.library = library
         self._dequantize = library.triollm_qdequantize_avx512
         self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
-            ctypes.c_int]
+            ctypes.c_int] * 2
         self._dequantize.restype = None
         self._scratch = threading.local()
         #: Rows from which a layer is dequantized for torch's ``linear``, by layout
@@ -70,6 +71,10 @@ class Avx512Gemm(QuantizedGemm):
         amx = "amx_bf16" in cpu_flags()
         self.dequantize_int4_from: int | None = DEQUANTIZE_INT4_FROM_ROWS if amx else None
         self.dequantize_int8_from: int | None = DEQUANTIZE_INT8_FROM_ROWS if amx else None
+        #: gemm.py's kernel where it runs on AMX tiles: it then takes the dequantized
+        #: weight in its own layout (inputs a multiple of 32 wide); else torch's linear.
+        bf16 = load_gemm() if amx else None
+        self.tiles: CpuGemm | None = bf16 if bf16 is not None and bf16.has_tiles else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                  out_features: int, group_size: int) -> torch.Tensor:
@@ -86,18 +91,22 @@ class Avx512Gemm(QuantizedGemm):
         per_slice = max(1, SLICE_ELEMENTS // (16 * in_features))
         scratch = self._scratch_of(16 * min(per_slice, blocks) * in_features)
         threads = torch.get_num_threads()
+        tiles = self.tiles if in_features % 32 == 0 else None
+
+        def product(first: int, count: int) -> torch.Tensor:
+            dense = scratch[:16 * count * in_features]
+            self._dequantize(weight.data_ptr(), scales.data_ptr(), dense.data_ptr(), first,
+                             count, in_features, group_size, tiles is not None, threads)
+            if tiles is not None:
+                return tiles(x2, dense.view(count, in_features // 2, 16, 2), None)
+            return torch.nn.functional.linear(x2, dense.view(16 * count, in_features))
+
         if per_slice >= blocks:
-            dense = scratch[:out_features * in_features].view(out_features, in_features)
-            self._dequantize(weight.data_ptr(), scales.data_ptr(), dense.data_ptr(), 0,
-                             blocks, in_features, group_size, threads)
-            return torch.nn.functional.linear(x2, dense).view(*x.shape[:-1], out_features)
+            return product(0, blocks).view(*x.shape[:-1], out_features)
         out = x2.new_empty((rows, out_features))
         for first in range(0, blocks, per_slice):
             count = min(per_slice, blocks - first)
-            dense = scratch[:16 * count * in_features].view(16 * count, in_features)
-            self._dequantize(weight.data_ptr(), scales.data_ptr(), dense.data_ptr(), first,
-                             count, in_features, group_size, threads)
-            out[:, 16 * first:16 * (first + count)] = torch.nn.functional.linear(x2, dense)
+            out[:, 16 * first:16 * (first + count)] = product(first, count)
         return out.view(*x.shape[:-1], out_features)
 
     def _scratch_of(self, elements: int) -> torch.Tensor:
