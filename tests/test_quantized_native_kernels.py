@@ -7,7 +7,8 @@ torch's kernels. Each test runs for the kernels the CPU has and skips the others
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -144,12 +145,8 @@ def test_helpers_give_the_bits_of_openmp(native: Native, rows: int, bits: int, b
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
     gemm = native.gemm()
     if isinstance(gemm, avx512_kernels.Avx512Gemm):  # the VNNI kernel's too
-        saved = gemm.dequantize_int4_from, gemm.dequantize_int8_from
-        gemm.dequantize_int4_from = gemm.dequantize_int8_from = None
-        try:
+        with _row_thresholds(gemm, dequantize=None, tiles=None):
             expected = kernel(x)
-        finally:
-            gemm.dequantize_int4_from, gemm.dequantize_int8_from = saved
     else:
         expected = kernel(x)
     cpu_helpers.set_spare_threads(count)
@@ -220,26 +217,38 @@ def test_an_avx512_cpu_takes_an_avx512_kernel_not_the_avx2_one(
 def test_many_rows_multiply_the_weight_dequantized_a_slice_at_a_time(
         rows: int, bits: int, blocks: int, steps: int, per_slice: int, act_order: bool,
         tiles: bool, seed: int) -> None:
-    """Past its row threshold (on AMX CPUs; here forced at any count) the AVX-512 kernel
-    dequantizes slices of ``per_slice`` blocks of 16 outputs into bf16: in gemm.py's
-    layout for its AMX tiles (inputs a multiple of 32 wide, where the CPU has them), or
-    row-major for torch's ``linear``."""
+    """Past its row thresholds (on AMX CPUs; here forced at any count) the AVX-512 kernel
+    multiplies on AMX tiles, 32 outputs dequantized at a time (inputs a multiple of 32
+    wide), or dequantizes slices of ``per_slice`` blocks of 16 outputs into bf16 for
+    torch's ``linear``."""
     in_features = 8 * steps * (1 if bits == 8 else 2)
     weight = _weight(bits, 16 * blocks, in_features, in_features // 2 if bits == 4 else -1,
                      act_order and bits == 4, seed)
     kernel = AVX512.build(bits, weight)
     gemm = AVX512.gemm()
     assert isinstance(gemm, avx512_kernels.Avx512Gemm)
-    saved = (gemm.dequantize_int4_from, gemm.dequantize_int8_from, gemm.tiles,
-             avx512_kernels.SLICE_ELEMENTS)
-    gemm.dequantize_int4_from = gemm.dequantize_int8_from = 1
-    gemm.tiles = gemm.tiles if tiles else None
+    saved = avx512_kernels.SLICE_ELEMENTS
     avx512_kernels.SLICE_ELEMENTS = 16 * per_slice * in_features
     try:
-        _assert_computes(kernel, weight, rows, seed)
+        with _row_thresholds(gemm, dequantize=1,
+                             tiles=1 if tiles and gemm.tiles_from is not None else None):
+            _assert_computes(kernel, weight, rows, seed)
     finally:
-        (gemm.dequantize_int4_from, gemm.dequantize_int8_from, gemm.tiles,
-         avx512_kernels.SLICE_ELEMENTS) = saved
+        avx512_kernels.SLICE_ELEMENTS = saved
+
+
+@contextlib.contextmanager
+def _row_thresholds(gemm: avx512_kernels.Avx512Gemm, dequantize: int | None,
+                    tiles: int | None) -> Iterator[None]:
+    """``gemm``'s row thresholds set, for the block: both layouts' dequantization for
+    torch's ``linear`` from ``dequantize`` rows, the AMX tiles from ``tiles``."""
+    saved = gemm.dequantize_int4_from, gemm.dequantize_int8_from, gemm.tiles_from
+    gemm.dequantize_int4_from = gemm.dequantize_int8_from = dequantize
+    gemm.tiles_from = tiles
+    try:
+        yield
+    finally:
+        gemm.dequantize_int4_from, gemm.dequantize_int8_from, gemm.tiles_from = saved
 
 
 def test_the_row_thresholds_follow_the_cpu() -> None:
@@ -250,6 +259,7 @@ def test_the_row_thresholds_follow_the_cpu() -> None:
                                          else None)
     assert gemm.dequantize_int8_from == (avx512_kernels.DEQUANTIZE_INT8_FROM_ROWS if amx
                                          else None)
+    assert gemm.tiles_from == (avx512_kernels.TILES_FROM_ROWS if amx else None)
 
 
 def _held(weight: QuantizedWeight) -> torch.Tensor:
@@ -291,12 +301,8 @@ def test_the_vnni_kernel_rounds_each_input_by_at_most_2_14_of_its_blocks_largest
     bound = 2.0 ** -14 * largest @ magnitudes.T
     gemm = VNNI.gemm()
     assert isinstance(gemm, vnni_kernels.VnniGemm)
-    saved = gemm.dequantize_int4_from, gemm.dequantize_int8_from
-    gemm.dequantize_int4_from = gemm.dequantize_int8_from = None
-    try:
+    with _row_thresholds(gemm, dequantize=None, tiles=None):
         error = (kernel(x).float() - expected).abs()
-    finally:
-        gemm.dequantize_int4_from, gemm.dequantize_int8_from = saved
     assert bool((error <= 2.0 ** -8 * expected.abs() + 1.001 * bound + 1e-30).all())
 
 

@@ -26,15 +26,44 @@ static inline void store_row(uint16_t* y, __m512 sums, const float* bias) {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "gemm_amx.h"
+/* The tiles outrun vdpbf16ps from one row on, streaming the weights from memory and
+   from cache alike (docs/benchmarks.md). */
+#define AMX_FROM_ROWS 1
+
+static int amx_from_rows = AMX_FROM_ROWS;
+
+/* Tests and benchmarks: the tiles take calls from `rows` rows on (0: none); returns
+   the row count they took calls from before. */
+int triollm_gemm_amx_from_rows(int rows) {
+    const int previous = amx_from_rows;
+    amx_from_rows = rows;
+    return previous;
+}
+
+int triollm_gemm_amx_supported(void) { return amx_usable(); }
+
+static inline int amx_takes(int64_t m, int64_t k) {
+    return amx_from_rows > 0 && m >= amx_from_rows && k % 32 == 0 && amx_usable();
+}
+
+/* The tile unit of row chunk c and output block pair u. */
+static inline void tile_unit(const uint16_t* x, const uint16_t* packed, const float* bias,
+                             uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t u,
+                             int64_t c, pool_job* job, int64_t unit) {
+    const int64_t b = 2 * u, m0 = c * AMX_ROWS;
+    const uint16_t* w0 = packed + b * 16 * k;
+    amx_unit(x, w0, b + 1 < n / 16 ? w0 + 16 * k : 0, bias, y, m0,
+             m - m0 < AMX_ROWS ? (int)(m - m0) : AMX_ROWS, n, k, 16 * b, job, unit);
+}
 #else
 #define AMX_ROWS ROWS
 int triollm_gemm_amx_from_rows(int rows) { (void)rows; return 0; }
 int triollm_gemm_amx_supported(void) { return 0; }
 static inline int amx_takes(int64_t m, int64_t k) { (void)m; (void)k; return 0; }
 static inline void release_tiles(void) {}
-static inline void amx_unit(const uint16_t* x, const uint16_t* packed, const float* bias,
-                            uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t u,
-                            int64_t c, pool_job* job, int64_t unit) {
+static inline void tile_unit(const uint16_t* x, const uint16_t* packed, const float* bias,
+                             uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t u,
+                             int64_t c, pool_job* job, int64_t unit) {
     (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)u;
     (void)c; (void)job; (void)unit;
 }
@@ -113,7 +142,7 @@ void triollm_gemm_bf16(const uint16_t* x, const uint16_t* packed, const float* b
         #pragma omp for schedule(static) collapse(2)
         for (int64_t u = 0; u < units; u++)
             for (int64_t c = 0; c < chunks; c++) {
-                if (amx) amx_unit(x, packed, bias, y, m, n, k, u, c, NULL, 0);
+                if (amx) tile_unit(x, packed, bias, y, m, n, k, u, c, NULL, 0);
                 else gemm_unit(x, packed, bias, y, m, n, k, u, c, NULL, 0);
             }
         if (amx) release_tiles();
@@ -133,7 +162,7 @@ typedef struct {
 static void gemm_job_unit(pool_job* base, int64_t unit, int helper) {
     const gemm_job* job = (const gemm_job*)base;
     if (job->amx) {
-        amx_unit(job->x, job->packed, job->bias, job->y, job->m, job->n, job->k,
+        tile_unit(job->x, job->packed, job->bias, job->y, job->m, job->n, job->k,
                  unit / job->chunks, unit % job->chunks, helper ? base : NULL, unit);
         release_tiles();
         return;

@@ -1,8 +1,10 @@
-/* gemm.c's product on AMX tiles: the packed layout [out/16][in/2][16][2]
+/* bf16 products on AMX tiles over gemm.c's packed layout [out/16][in/2][16][2], which
    is already what a tile multiply reads as its second operand (16 rows of pairs, 64
-   bytes each, for 16 outputs), so the weights are read in place. A unit of work is 32
-   rows by 32 outputs (two tiles of inputs, two of weights, four fp32 sums), over inputs
-   a multiple of 32. Included by gemm.c where the compiler targets AMX-BF16. */
+   bytes each, for 16 outputs), so the weights are read in place. A unit of work is up
+   to 32 rows by 32 outputs (two tiles of inputs, two of weights, four fp32 sums), over
+   inputs a multiple of 32. Included where the compiler targets AMX-BF16 and
+   AVX512-BF16: by gemm.c (bf16 weights) and qgemm_avx512.c (int4/int8 weights, each 32
+   outputs dequantized into this layout first). */
 #ifndef TRIOLLM_GEMM_AMX_H
 #define TRIOLLM_GEMM_AMX_H
 
@@ -15,9 +17,6 @@
 #include "pool.h"
 
 #define AMX_ROWS 32
-/* The tiles outrun vdpbf16ps from one row on, streaming the weights from memory and
-   from cache alike (docs/benchmarks.md). */
-#define AMX_FROM_ROWS 1
 /* How far ahead (elements: 4 KiB) a unit prefetches its weights. */
 #define PREFETCH 2048
 
@@ -44,22 +43,6 @@ static inline int amx_usable(void) {
     return state == 1;
 }
 
-static int amx_from_rows = AMX_FROM_ROWS;
-
-/* Tests and benchmarks: the tiles take calls from `rows` rows on (0: none); returns
-   the row count they took calls from before. */
-int triollm_gemm_amx_from_rows(int rows) {
-    const int previous = amx_from_rows;
-    amx_from_rows = rows;
-    return previous;
-}
-
-int triollm_gemm_amx_supported(void) { return amx_usable(); }
-
-static inline int amx_takes(int64_t m, int64_t k) {
-    return amx_from_rows > 0 && m >= amx_from_rows && k % 32 == 0 && amx_usable();
-}
-
 /* Tiles 0-3: sums (rows r0 by block 0, r0 by block 1, r1 by block 0, r1 by block 1);
    4, 5: inputs (r0 and r1 rows); 6, 7: the two blocks' weights. */
 static inline void configure_tiles(int r0, int r1) {
@@ -83,23 +66,24 @@ static inline void release_tiles(void) {
     }
 }
 
-static inline void store_sums(uint16_t* y, const float* sums, int rows, int64_t n,
+/* 16 outputs of `rows` rows (stride n), fp32 sums plus bias, rounded to bf16. */
+static inline void tile_store(uint16_t* y, const float* sums, int rows, int64_t n,
                               const float* bias) {
-    for (int r = 0; r < rows; r++)
-        store_row(y + r * n, _mm512_loadu_ps(sums + 16 * r), bias);
+    for (int r = 0; r < rows; r++) {
+        __m512 row = _mm512_loadu_ps(sums + 16 * r);
+        if (bias) row = _mm512_add_ps(row, _mm512_loadu_ps(bias));
+        _mm256_storeu_si256((__m256i*)(y + r * n), (__m256i)_mm512_cvtneps_pbh(row));
+    }
 }
 
-/* Rows [32c, 32c + 32) by the output blocks 2u and 2u + 1 (where there is one). A pool
-   helper (job != NULL) stores only once pool_commit says the unit is still its own. */
-static void amx_unit(const uint16_t* x, const uint16_t* packed, const float* bias,
-                     uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t u, int64_t c,
-                     pool_job* job, int64_t unit)
+/* Rows [m0, m0 + rows) (rows <= 32) of y[., n] from column `column` on: x (bf16 [.][k])
+   times the output blocks w0 and w1 (NULL: only w0), each [k/2][16][2]. A pool helper
+   (job != NULL) stores only once pool_commit says the unit is still its own. */
+static void amx_unit(const uint16_t* x, const uint16_t* w0, const uint16_t* w1,
+                     const float* bias, uint16_t* y, int64_t m0, int rows, int64_t n,
+                     int64_t k, int64_t column, pool_job* job, int64_t unit)
 {
-    const int64_t b = 2 * u, m0 = c * AMX_ROWS;
-    const int rows = m - m0 < AMX_ROWS ? (int)(m - m0) : AMX_ROWS;
     const int r0 = rows < 16 ? rows : 16, r1 = rows - r0;
-    const uint16_t* w0 = packed + b * 16 * k;
-    const uint16_t* w1 = b + 1 < n / 16 ? w0 + 16 * k : 0;
     const uint16_t* a0 = x + m0 * k;
     const uint16_t* a1 = a0 + 16 * k;
     const int64_t stride = 2 * k;
@@ -136,13 +120,14 @@ static void amx_unit(const uint16_t* x, const uint16_t* packed, const float* bia
         if (w1) _tile_stored(3, sums[3], 64);
     }
     if (job && !pool_commit(job, unit)) return;
-    const int64_t column = 16 * b;
     uint16_t* out = y + m0 * n + column;
-    store_sums(out, sums[0], r0, n, bias ? bias + column : 0);
-    if (w1) store_sums(out + 16, sums[1], r0, n, bias ? bias + column + 16 : 0);
+    const float* bias1 = bias ? bias + column + 16 : 0;
+    if (bias) bias += column;
+    tile_store(out, sums[0], r0, n, bias);
+    if (w1) tile_store(out + 16, sums[1], r0, n, bias1);
     if (r1) {
-        store_sums(out + 16 * n, sums[2], r1, n, bias ? bias + column : 0);
-        if (w1) store_sums(out + 16 * n + 16, sums[3], r1, n, bias ? bias + column + 16 : 0);
+        tile_store(out + 16 * n, sums[2], r1, n, bias);
+        if (w1) tile_store(out + 16 * n + 16, sums[3], r1, n, bias1);
     }
 }
 

@@ -14,8 +14,23 @@
    its float in a table lookup (vpermps reads only the low 4 bits of an index) after a
    shift. A unit of work is one block's product for up to 16 rows, 4 at a time (its
    weights from memory once, from cache for the further rows). Sums are fp32, rounded
-   to bf16 once. */
+   to bf16 once.
+
+   On CPUs with AMX, products of many rows (triollm_qgemm_amx) dequantize each pair of
+   blocks into bf16 in gemm.c's layout, in a panel of the thread's own that stays in its
+   cache, and multiply every row by it on AMX tiles (gemm_amx.h). */
+#define _DEFAULT_SOURCE  /* syscall(), for the AMX permission */
 #include "qgemm_common.h"
+
+/* The AMX product where the build has no tiles (triollm_qgemm_amx_supported says so). */
+#define QGEMM_AMX_STUBS                                                                 \
+    int triollm_qgemm_amx_supported(void) { return 0; }                                \
+    void triollm_qgemm_amx(const uint16_t* x, const void* w, const void* scales,        \
+                           uint16_t* y, uint16_t* panels, int64_t m, int64_t n,         \
+                           int64_t k, int64_t gsize, int threads) {                     \
+        (void)x, (void)w, (void)scales, (void)y, (void)panels, (void)m, (void)n, (void)k, \
+            (void)gsize, (void)threads;                                                 \
+    }
 
 #include <stdlib.h>
 #include <string.h>
@@ -129,12 +144,23 @@ QGEMM_ENTRY_POINTS(triollm_qgemm_avx512, qgemm_widened_bytes, qgemm_prepare_wide
 /* w[i] (i < 8): 16 outputs' fp32 weights of inputs c + i, as d[s]: dword j = output
    j's bf16 pair of inputs c + 2s, c + 2s + 1 (a 64-byte row of gemm.c's layout). */
 static inline void pairs_of(const __m512 w[8], __m512i d[4]) {
+#if defined(__AVX512BF16__)
+    /* word 2j: the even input's output j (word j of the conversion), 2j + 1: the odd's */
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22,
+                                            7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28,
+                                            13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_loadu_si512(interleave);
+    for (int s = 0; s < 4; s++)
+        d[s] = _mm512_permutexvar_epi16(
+            order, (__m512i)_mm512_cvtne2ps_pbh(w[2 * s + 1], w[2 * s]));
+#else
     for (int s = 0; s < 4; s++) {
         const __m512i even = _mm512_cvtepu16_epi32(to_bf16(w[2 * s]));
         const __m512i odd = _mm512_slli_epi32(
             _mm512_cvtepu16_epi32(to_bf16(w[2 * s + 1])), 16);
         d[s] = _mm512_or_si512(even, odd);
     }
+#endif
 }
 
 /* w as pairs_of takes it, stored in gemm.c's layout: out is the block's [k/2][16][2]. */
@@ -211,25 +237,62 @@ static void dequantize_block(const void* w, const void* scales, uint16_t* out,
 }
 
 /* Output blocks [first, first + count) of the weight (either layout, gsize 0: int8)
-   dequantized into out: bf16 [16 count][k], row-major, as torch's linear takes it, or
-   with `pairs` in gemm.c's layout; k a multiple of 8. For many rows, where a bf16 GEMM
-   (on AMX) outruns unpacking the weight once per 4 rows. */
+   dequantized into out: bf16 [16 count][k], row-major, as torch's linear takes it; k a
+   multiple of 8. For many rows where the AMX product does not take the width. */
 void triollm_qdequantize_avx512(const void* w, const void* scales, uint16_t* out,
                                 int64_t first, int64_t count, int64_t k, int64_t gsize,
-                                int pairs, int threads)
+                                int threads)
 {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t u = first; u < first + count; u++)
-        dequantize_block(w, scales, out, u, first, k, gsize, pairs);
+        dequantize_block(w, scales, out, u, first, k, gsize, 0);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <omp.h>
+
+#include "gemm_amx.h"
+
+int triollm_qgemm_amx_supported(void) { return amx_usable(); }
+
+/* bf16 y[m][n] = x[m][k] @ W^T for the weight in either layout (gsize 0: int8): each
+   thread dequantizes a pair of output blocks at a time into its own panel of `panels`
+   (threads panels of 32 k bf16, gemm.c's layout) and multiplies every row by it on the
+   tiles; k a multiple of 32. */
+void triollm_qgemm_amx(const uint16_t* x, const void* w, const void* scales, uint16_t* y,
+                       uint16_t* panels, int64_t m, int64_t n, int64_t k, int64_t gsize,
+                       int threads)
+{
+    const int64_t blocks = n / 16, pairs = (blocks + 1) / 2;
+    #pragma omp parallel num_threads(threads)
+    {
+        uint16_t* own = panels + omp_get_thread_num() * 32 * k;
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < pairs; u++) {
+            const int64_t b = 2 * u;
+            const int two = b + 1 < blocks;
+            dequantize_block(w, scales, own, b, b, k, gsize, 1);
+            if (two) dequantize_block(w, scales, own, b + 1, b, k, gsize, 1);
+            for (int64_t m0 = 0; m0 < m; m0 += AMX_ROWS)
+                amx_unit(x, own, two ? own + 16 * k : 0, 0, y, m0,
+                         m - m0 < AMX_ROWS ? (int)(m - m0) : AMX_ROWS, n, k, 16 * b, 0, 0);
+        }
+        release_tiles();
+    }
+}
+#else
+QGEMM_AMX_STUBS
+#endif
 
 #else
 QGEMM_STUBS(triollm_qgemm_avx512)
+QGEMM_AMX_STUBS
+
 /* never called either */
 void triollm_qdequantize_avx512(const void* w, const void* scales, uint16_t* out,
                                 int64_t first, int64_t count, int64_t k, int64_t gsize,
-                                int pairs, int threads) {
+                                int threads) {
     (void)w, (void)scales, (void)out, (void)first, (void)count, (void)k, (void)gsize,
-        (void)pairs, (void)threads;
+        (void)threads;
 }
 #endif

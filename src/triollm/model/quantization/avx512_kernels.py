@@ -7,10 +7,13 @@ The C library (``csrc/qgemm_avx512.c``) takes the AVX2 kernel's layouts
 library) and multiplies in fp32 FMAs, 16 outputs an instruction: a nibble becomes its
 float by a table lookup after a shift, an int8 by a widening and a conversion. A unit
 of work is one block of 16 outputs for up to 16 rows, 4 at a time. On a CPU with AMX,
-from a few dozen rows (``DEQUANTIZE_INT4_FROM_ROWS``, prefill) the weight is
-dequantized into bf16 instead, a slice of outputs at a time, for torch's ``linear``
-(oneDNN, on AMX). Threads split the units: torch's OpenMP threads, or the helper pool
-(helpers.py) where the thread policy computes on one thread. Built where the CPU has
+from 16 rows (``TILES_FROM_ROWS``) each thread dequantizes 32 outputs at a time into
+bf16 in a panel that stays in its cache and multiplies every row by it on AMX tiles
+(csrc/gemm_amx.h); a layer whose inputs are not a multiple of 32 wide is dequantized
+instead from a few dozen rows (``DEQUANTIZE_INT4_FROM_ROWS``), a slice of outputs at a
+time, for torch's ``linear`` (oneDNN, on AMX). Threads split the units: torch's OpenMP
+threads, or the helper pool (helpers.py) where the thread policy computes on one
+thread. Built where the CPU has
 AVX-512 F and BW and checked against the dequantized fp32 product at load (build.py's
 ``load_checked``); elsewhere, where it disagrees, and for float32 or float16
 activations, the AVX2 kernel or torch's kernels run.
@@ -25,7 +28,6 @@ from functools import cache
 import torch
 
 from triollm.model.cpu.build import cpu_flags, load_checked
-from triollm.model.cpu.gemm import CpuGemm, load_gemm
 from triollm.model.cpu.helpers import spare_threads
 from triollm.model.quantization.avx2_kernels import (
     Avx2Int4Kernel,
@@ -37,7 +39,8 @@ from triollm.model.quantization.avx2_kernels import (
 from triollm.model.quantization.kernels import QuantizedKernel
 from triollm.model.quantization.weights import QuantizedWeight
 
-__all__ = ["DEQUANTIZE_INT4_FROM_ROWS", "DEQUANTIZE_INT8_FROM_ROWS", "Avx512Gemm",
+__all__ = ["DEQUANTIZE_INT4_FROM_ROWS", "DEQUANTIZE_INT8_FROM_ROWS", "TILES_FROM_ROWS",
+           "Avx512Gemm",
            "Avx512Int4Kernel", "Avx512Int8Kernel", "avx512_kernel_for", "load_avx512_gemm"]
 
 #: On a CPU with AMX, from this many rows a layer's weight is dequantized into bf16, a
@@ -48,6 +51,12 @@ __all__ = ["DEQUANTIZE_INT4_FROM_ROWS", "DEQUANTIZE_INT8_FROM_ROWS", "Avx512Gemm
 #: computes every row count (oneDNN's bf16 there was not measured against it).
 DEQUANTIZE_INT4_FROM_ROWS = 32
 DEQUANTIZE_INT8_FROM_ROWS = 20
+#: On a CPU with AMX, from this many rows a layer whose inputs are a multiple of 32 wide
+#: is multiplied on AMX tiles instead, a panel of 32 outputs dequantized at a time into
+#: the thread's cache (``triollm_qgemm_amx``): measured over a decode token's layers of
+#: Qwen2.5-0.5B's shape (int4 and int8 alike) it trails the kernel at 12 rows and leads
+#: it by 1.3x at 16, 1.6x at 32 and 2.1x at 64 (docs/benchmarks.md).
+TILES_FROM_ROWS = 16
 #: The most bf16 elements one slice of a dequantized weight takes (16 MiB).
 SLICE_ELEMENTS = 8 * 1024 * 1024
 
@@ -63,7 +72,7 @@ class Avx512Gemm(QuantizedGemm):
         self.library = library
         self._dequantize = library.triollm_qdequantize_avx512
         self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
-            ctypes.c_int] * 2
+            ctypes.c_int]
         self._dequantize.restype = None
         self._scratch = threading.local()
         #: Rows from which a layer is dequantized for torch's ``linear``, by layout
@@ -71,35 +80,47 @@ class Avx512Gemm(QuantizedGemm):
         amx = "amx_bf16" in cpu_flags()
         self.dequantize_int4_from: int | None = DEQUANTIZE_INT4_FROM_ROWS if amx else None
         self.dequantize_int8_from: int | None = DEQUANTIZE_INT8_FROM_ROWS if amx else None
-        #: gemm.py's kernel where it runs on AMX tiles: it then takes the dequantized
-        #: weight in its own layout (inputs a multiple of 32 wide); else torch's linear.
-        bf16 = load_gemm() if amx else None
-        self.tiles: CpuGemm | None = bf16 if bf16 is not None and bf16.has_tiles else None
+        self._tiles = library.triollm_qgemm_amx
+        self._tiles.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+        self._tiles.restype = None
+        #: Rows from which a product whose inputs are a multiple of 32 wide runs on AMX
+        #: tiles, a dequantized panel of 32 outputs at a time (None: never; the layer
+        #: then takes the thresholds above).
+        self.tiles_from: int | None = (
+            TILES_FROM_ROWS if amx and library.triollm_qgemm_amx_supported() else None)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                  out_features: int, group_size: int) -> torch.Tensor:
         in_features = x.shape[-1]
         rows = x.numel() // in_features
-        threshold = self.dequantize_int4_from if group_size else self.dequantize_int8_from
-        # with pool helpers (a busy neighbour) torch's linear would compute on one thread
+        tiles = self.tiles_from is not None and in_features % 32 == 0
+        threshold = (self.tiles_from if tiles else
+                     self.dequantize_int4_from if group_size else self.dequantize_int8_from)
+        # with pool helpers (a busy neighbour) these would compute on one thread
         if threshold is None or rows < threshold or in_features % 8 or spare_threads():
             return super().__call__(x, weight, scales, out_features, group_size)
         if x.dtype != torch.bfloat16:
             raise ValueError(f"{self.entry} takes bf16 inputs, got {x.dtype}")
         x2 = x.reshape(rows, in_features)
+        if tiles:
+            out = x2.new_empty((rows, out_features))
+            x2 = x2.contiguous()
+            threads = torch.get_num_threads()
+            panels = self._scratch_of(threads * 32 * in_features)
+            self._tiles(x2.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                        panels.data_ptr(), rows, out_features, in_features, group_size,
+                        threads)
+            return out.view(*x.shape[:-1], out_features)
         blocks = out_features // 16
         per_slice = max(1, SLICE_ELEMENTS // (16 * in_features))
         scratch = self._scratch_of(16 * min(per_slice, blocks) * in_features)
         threads = torch.get_num_threads()
-        tiles = self.tiles if in_features % 32 == 0 else None
 
         def product(first: int, count: int) -> torch.Tensor:
-            dense = scratch[:16 * count * in_features]
+            dense = scratch[:16 * count * in_features].view(16 * count, in_features)
             self._dequantize(weight.data_ptr(), scales.data_ptr(), dense.data_ptr(), first,
-                             count, in_features, group_size, tiles is not None, threads)
-            if tiles is not None:
-                return tiles(x2, dense.view(count, in_features // 2, 16, 2), None)
-            return torch.nn.functional.linear(x2, dense.view(16 * count, in_features))
+                             count, in_features, group_size, threads)
+            return torch.nn.functional.linear(x2, dense)
 
         if per_slice >= blocks:
             return product(0, blocks).view(*x.shape[:-1], out_features)
@@ -111,8 +132,9 @@ class Avx512Gemm(QuantizedGemm):
 
     def _scratch_of(self, elements: int) -> torch.Tensor:
         """This thread's bf16 scratch of at least ``elements`` (at most
-        ``SLICE_ELEMENTS``, or one block of 16 outputs), kept for its next call: a
-        model thread's prefill reuses it rather than fault in fresh pages per layer."""
+        ``SLICE_ELEMENTS``, one block of 16 outputs, or a panel of 32 per OpenMP thread),
+        kept for its next call: a model thread's prefill reuses it rather than fault in
+        fresh pages per layer."""
         scratch: torch.Tensor | None = getattr(self._scratch, "tensor", None)
         if scratch is None or scratch.numel() < elements:
             scratch = torch.empty(elements, dtype=torch.bfloat16)
