@@ -11,16 +11,23 @@ of one pass over all layers.
 
 ``--shapes qwen0.5b`` times each of Qwen2.5-0.5B's layer shapes alone instead (q/o,
 k/v, gate/up, down and the 151,936-token LM head): aten bf16, aten fp32 and
-``PackedLinear`` on bf16.
+``PackedLinear`` on bf16. ``--shapes qwen0.5b-token`` times one decode token's bf16
+layers of that shape (each a copy of its own, so that they stream from memory as in the
+engine). On a CPU with AMX every mode adds a column with the bf16 kernel kept off its
+AMX tiles (``vdpbf16ps`` alone), timed in turn with the tiles.
 
     python benchmarks/packed_linear.py
     python benchmarks/packed_linear.py --shapes qwen0.5b --rows 1 4 16 64 512
+    python benchmarks/packed_linear.py --shapes qwen0.5b-token --rows 1 4 8 16 64
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,6 +38,11 @@ from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
 from triollm.model.cpu.packed_linear import PackedLinear, _bf16_gemm, _linear
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 768, 2048, 12, 512
+#: One Qwen2.5-0.5B decoder layer's projections (q, k, v, o, gate, up, down), and its
+#: layer count.
+TOKEN_LAYERS_05B = [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896),
+                    (4864, 896), (896, 4864)]
+LAYERS_05B = 24
 #: Qwen2.5-0.5B's linear layers, ``[out, in]``.
 QWEN_SHAPES = {"q/o": (896, 896), "k/v": (128, 896), "gate/up": (4864, 896),
                "down": (896, 4864), "lm head": (151936, 896)}
@@ -48,7 +60,8 @@ def run_aten(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> No
         nn.functional.linear(inputs[weight.shape[1]], weight)
 
 
-def run_onednn(packed: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> None:
+def run_onednn(packed: list[tuple[torch.Tensor, int]], inputs: dict[int, torch.Tensor]
+               ) -> None:
     for weight, width in packed:
         _linear(inputs[width], weight, None)
 
@@ -58,8 +71,58 @@ def run_packed(layers: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> N
         layer(inputs[layer.in_features])
 
 
-def _ms(call: functools.partial[object], repeats: int) -> str:
+def _ms(call: Callable[[], object], repeats: int) -> str:
     return f"{1000 * timed(call, repeats):9.2f}"
+
+
+def _without_tiles(call: Callable[[], object]) -> Callable[[], object]:
+    """``call`` with the bf16 kernel kept off its AMX tiles."""
+    gemm = load_gemm()
+    assert gemm is not None
+
+    def run() -> object:
+        before = gemm.use_tiles_from(0)
+        try:
+            return call()
+        finally:
+            gemm.use_tiles_from(before)
+    return run
+
+
+def _has_tiles() -> bool:
+    gemm = load_gemm()
+    return gemm is not None and gemm.has_tiles
+
+
+def token_pass(rows_list: list[int], repeats: int) -> None:
+    """``--shapes qwen0.5b-token``: ms for one decode token's bf16 layers, with the
+    kernel on its AMX tiles and off them, median over ``repeats`` passes taken in turn,
+    and the GB/s of weights that makes."""
+    layers = [PackedLinear((torch.randn(*shape) * shape[1] ** -0.5).bfloat16(), None)
+              for _ in range(LAYERS_05B) for shape in TOKEN_LAYERS_05B]
+    nbytes = sum(layer.packed_weight.nbytes for layer in layers)
+    tiles = _has_tiles()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{len(layers)} layers, {nbytes / 2**20:.0f} MiB; median of {repeats}; AMX "
+          f"tiles {'on and off in turn' if tiles else 'not available'}")
+    for rows in rows_list:
+        inputs = {width: torch.randn(rows, width).bfloat16() for width in (896, 4864)}
+        one_pass = functools.partial(run_packed, layers, inputs)
+        passes: dict[str, Callable[[], object]] = {"packed": one_pass}
+        if tiles:
+            passes = {"tiles": one_pass, "vdpbf16ps": _without_tiles(one_pass)}
+        times: dict[str, list[float]] = {name: [] for name in passes}
+        for _ in range(repeats):
+            for name, call in passes.items():
+                started = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - started)
+        medians = {name: statistics.median(seconds) for name, seconds in times.items()}
+        cells = "  ".join(f"{name} {1000 * median:7.2f} ms ({nbytes / median / 1e9:4.1f} "
+                          f"GB/s)" for name, median in medians.items())
+        ratio = (f"  vdpbf16ps/tiles {medians['vdpbf16ps'] / medians['tiles']:.2f}x"
+                 if tiles else "")
+        print(f"rows {rows:3d}  {cells}{ratio}", flush=True)
 
 
 def per_shape(rows_list: list[int], repeats: int) -> None:
@@ -69,7 +132,9 @@ def per_shape(rows_list: list[int], repeats: int) -> None:
                  "AVX2 kernel" if kernel is load_avx2_gemm() and kernel else "oneDNN")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
           f"{repeats}; bf16 PackedLinear on {ours_name}")
-    print(f"{'layer':>8} {'rows':>5} {'aten bf16':>9} {'aten fp32':>9} {'triollm':>9}   (ms)")
+    tiles = _has_tiles()
+    print(f"{'layer':>8} {'rows':>5} {'aten bf16':>9} {'aten fp32':>9} {'triollm':>9}"
+          + (f" {'no tiles':>9}" if tiles else "") + "   (ms)")
     for name, (out_features, in_features) in QWEN_SHAPES.items():
         weight = torch.randn(out_features, in_features) * in_features ** -0.5
         bf16 = weight.bfloat16()
@@ -80,7 +145,9 @@ def per_shape(rows_list: list[int], repeats: int) -> None:
             aten = _ms(functools.partial(nn.functional.linear, xb, bf16), repeats)
             fp32 = _ms(functools.partial(nn.functional.linear, x, weight), repeats)
             ours = _ms(functools.partial(packed, xb), repeats)
-            print(f"{name:>8} {rows:5d} {aten} {fp32} {ours}", flush=True)
+            off = (" " + _ms(_without_tiles(functools.partial(packed, xb)), repeats)
+                   if tiles else "")
+            print(f"{name:>8} {rows:5d} {aten} {fp32} {ours}{off}", flush=True)
         del packed
 
 
@@ -88,7 +155,8 @@ def per_shape(rows_list: list[int], repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", choices=["llama", "qwen0.5b"], default="llama")
+    parser.add_argument("--shapes", choices=["llama", "qwen0.5b", "qwen0.5b-token"],
+                        default="llama")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 512])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=20)
@@ -96,6 +164,9 @@ def main() -> None:
     torch.manual_seed(0)
     if args.shapes == "qwen0.5b":
         per_shape(args.rows, args.repeats)
+        return
+    if args.shapes == "qwen0.5b-token":
+        token_pass(args.rows, args.repeats)
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; all "
           f"{LAYERS * 7 + 1} linears of the benchmarks' Llama; median of {args.repeats}; "
