@@ -7,7 +7,9 @@ of ``--group-size``, int8 per channel (as ``--quantization int4``/``int8`` make 
 A layer timed alone is read from the CPU's caches after its first call; ``--token``
 times instead one decode token's linear layers (the 7 of each of 24 layers, each a
 copy of its own, so that they come from memory as in the engine) on every kernel this
-CPU has, including each int4/int8 kernel below the one the engine picks.
+CPU has, including each int4/int8 kernel below the one the engine picks, and on an AMX
+CPU each AVX-512 kernel also kept on its own path at every row count ("no tiles": no AMX
+tiles, no dequantizing for torch's ``linear``), taken in turn with the default.
 
     python benchmarks/quantized_layers.py
     python benchmarks/quantized_layers.py --rows 1 4 16 64 512 --repeats 50
@@ -17,19 +19,25 @@ CPU has, including each int4/int8 kernel below the one the engine picks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
 from common import timed
 from triollm.model.cpu.packed_linear import PackedLinear
 from triollm.model.quantization.avx2_kernels import avx2_kernel_for
-from triollm.model.quantization.avx512_kernels import avx512_kernel_for
+from triollm.model.quantization.avx512_kernels import (
+    Avx512Gemm,
+    avx512_kernel_for,
+    load_avx512_gemm,
+)
 from triollm.model.quantization.kernels import Int4Kernel, Int8Kernel, QuantizedKernel
 from triollm.model.quantization.quantize import quantize_weight
-from triollm.model.quantization.vnni_kernels import vnni_kernel_for
+from triollm.model.quantization.vnni_kernels import load_vnni_gemm, vnni_kernel_for
 
 #: Qwen2.5-0.5B's linear layers, ``[out, in]``.
 SHAPES = {"q/o": (896, 896), "gate/up": (4864, 896), "down": (896, 4864),
@@ -69,19 +77,43 @@ def one_token(rows: list[int], repeats: int, group_size: int) -> None:
                         passes.setdefault(f"int{bits} {name}", []).append(kernel)
                         nbytes[f"int{bits} {name}"] = nbytes.get(f"int{bits} {name}",
                                                                  0) + kernel.nbytes
+    # on AMX CPUs, the kernel's own path at every row count besides the one it takes
+    native = {"vnni": load_vnni_gemm(), "avx512": load_avx512_gemm()}
+    for name in list(passes):
+        gemm = native.get(name.rpartition(" ")[2])
+        if isinstance(gemm, Avx512Gemm) and gemm.tiles_from is not None:
+            passes[f"{name} no tiles"] = passes[name]
+            nbytes[f"{name} no tiles"] = nbytes[name]
     for count in rows:
         inputs = {k: torch.randn(count, k).bfloat16() for k in {s[1] for s in TOKEN_LAYERS}}
         times: dict[str, list[float]] = {name: [] for name in passes}
         for _ in range(repeats):
             for name, layers in passes.items():
-                started = time.perf_counter()
-                for layer, shape in zip(layers, TOKEN_LAYERS * LAYERS, strict=True):
-                    layer(inputs[shape[1]])
-                times[name].append(time.perf_counter() - started)
+                with _kernel_paths_off(native[name.split()[1]] if name.endswith(" no tiles")
+                                       else None):
+                    started = time.perf_counter()
+                    for layer, shape in zip(layers, TOKEN_LAYERS * LAYERS, strict=True):
+                        layer(inputs[shape[1]])
+                    times[name].append(time.perf_counter() - started)
         for name, seconds in times.items():
             median = statistics.median(seconds[2:])
             print(f"rows {count:3d}  {name:12s} {1000 * median:8.2f} ms "
                   f"({nbytes[name] / median / 1e9:5.1f} GB/s)", flush=True)
+
+
+@contextlib.contextmanager
+def _kernel_paths_off(gemm: object) -> Iterator[None]:
+    """With ``gemm`` (an ``Avx512Gemm``; None: nothing changes) computing every row count
+    on its own kernel: no AMX tiles, no dequantizing for torch's ``linear``."""
+    if not isinstance(gemm, Avx512Gemm):
+        yield
+        return
+    saved = gemm.tiles_from, gemm.dequantize_int4_from, gemm.dequantize_int8_from
+    gemm.tiles_from = gemm.dequantize_int4_from = gemm.dequantize_int8_from = None
+    try:
+        yield
+    finally:
+        gemm.tiles_from, gemm.dequantize_int4_from, gemm.dequantize_int8_from = saved
 
 
 @torch.inference_mode()
