@@ -11,8 +11,9 @@ columns (and, with many rows, the row tiles): torch's OpenMP threads, or, while 
 thread policy computes on one thread beside busy cores, helpers.py's pool. The same
 layout is what an AMX tile multiply reads as its second operand: on CPUs with AMX-BF16
 (Sapphire Rapids and later Xeons) every row count runs on tiles instead, 32 rows by 32
-outputs a unit (``csrc/gemm_amx.h``), as fast as ``vdpbf16ps`` at one row and 1.5-5x
-faster from a few rows to prefill's hundreds. Its speed against oneDNN
+outputs a unit (``csrc/gemm_amx.h``): as fast as ``vdpbf16ps`` at 1-4 rows, 1.5x
+faster at 8, 2.4-4.4x at 16-64 (a token's weights from memory) and 4-5.6x at prefill's
+hundreds (from cache). Its speed against oneDNN
 (``benchmarks/packed_linear.py``) is in docs/benchmarks.md.
 
 The library (``csrc/gemm.c``) is built for the CPU it runs on (build.py) and only where the
