@@ -14,7 +14,9 @@ k/v, gate/up, down and the 151,936-token LM head): aten bf16, aten fp32 and
 ``PackedLinear`` on bf16. ``--shapes qwen0.5b-token`` times one decode token's bf16
 layers of that shape (each a copy of its own, so that they stream from memory as in the
 engine). On a CPU with AMX every mode adds a column with the bf16 kernel kept off its
-AMX tiles (``vdpbf16ps`` alone), timed in turn with the tiles.
+AMX tiles (``vdpbf16ps`` alone), timed in turn with the tiles, and ``qwen0.5b`` one
+with the row-major kernel a tied LM head runs on (tied_head.py: the weight as loaded,
+not packed).
 
     python benchmarks/packed_linear.py
     python benchmarks/packed_linear.py --shapes qwen0.5b --rows 1 4 16 64 512
@@ -134,7 +136,7 @@ def per_shape(rows_list: list[int], repeats: int) -> None:
           f"{repeats}; bf16 PackedLinear on {ours_name}")
     tiles = _has_tiles()
     print(f"{'layer':>8} {'rows':>5} {'aten bf16':>9} {'aten fp32':>9} {'triollm':>9}"
-          + (f" {'no tiles':>9}" if tiles else "") + "   (ms)")
+          + (f" {'no tiles':>9} {'row-major':>9}" if tiles else "") + "   (ms)")
     for name, (out_features, in_features) in QWEN_SHAPES.items():
         weight = torch.randn(out_features, in_features) * in_features ** -0.5
         bf16 = weight.bfloat16()
@@ -145,8 +147,13 @@ def per_shape(rows_list: list[int], repeats: int) -> None:
             aten = _ms(functools.partial(nn.functional.linear, xb, bf16), repeats)
             fp32 = _ms(functools.partial(nn.functional.linear, x, weight), repeats)
             ours = _ms(functools.partial(packed, xb), repeats)
-            off = (" " + _ms(_without_tiles(functools.partial(packed, xb)), repeats)
-                   if tiles else "")
+            off = ""
+            if tiles:
+                gemm = load_gemm()
+                assert gemm is not None
+                off = (" " + _ms(_without_tiles(functools.partial(packed, xb)), repeats)
+                       + " " + _ms(functools.partial(gemm.row_major, xb, bf16, None),
+                                   repeats))
             print(f"{name:>8} {rows:5d} {aten} {fp32} {ours}{off}", flush=True)
         del packed
 

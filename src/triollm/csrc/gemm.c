@@ -26,6 +26,15 @@ static inline void store_row(uint16_t* y, __m512 sums, const float* bias) {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "gemm_amx.h"
+#include "gemm_rows_amx.h"
+
+/* y[m, n] = x[m, k] @ w^T (+ bias) over a row-major bf16 w [n][k] on AMX tiles
+   (gemm_rows_amx.h): 0 done, 1 not taken (k not a multiple of 32, n of 16, or no
+   tiles; nothing written), 2 out of memory. */
+int triollm_gemm_rows_bf16(const uint16_t* x, const uint16_t* w, const float* bias,
+                           uint16_t* y, int64_t m, int64_t n, int64_t k, int threads) {
+    return rows_gemm(x, w, bias, y, m, n, k, threads);
+}
 /* The tiles outrun vdpbf16ps from one row on, streaming the weights from memory and
    from cache alike (docs/benchmarks.md). */
 #define AMX_FROM_ROWS 1
@@ -57,6 +66,11 @@ static inline void tile_unit(const uint16_t* x, const uint16_t* packed, const fl
 }
 #else
 #define AMX_ROWS ROWS
+int triollm_gemm_rows_bf16(const uint16_t* x, const uint16_t* w, const float* bias,
+                           uint16_t* y, int64_t m, int64_t n, int64_t k, int threads) {
+    (void)x; (void)w; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
+    return 1;
+}
 int triollm_gemm_amx_from_rows(int rows) { (void)rows; return 0; }
 int triollm_gemm_amx_supported(void) { return 0; }
 static inline int amx_takes(int64_t m, int64_t k) { (void)m; (void)k; return 0; }
@@ -208,6 +222,10 @@ void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const f
 int triollm_gemm_supported(void) { return 0; }
 int triollm_gemm_amx_from_rows(int rows) { return 0; }
 int triollm_gemm_amx_supported(void) { return 0; }
+int triollm_gemm_rows_bf16(const uint16_t* x, const uint16_t* w, const float* bias,
+                           uint16_t* y, int64_t m, int64_t n, int64_t k, int threads) {
+    return 1;
+}
 void triollm_gemm_bf16(const uint16_t* x, const uint16_t* packed, const float* bias,
                        uint16_t* y, int64_t m, int64_t n, int64_t k, int threads) {}
 void triollm_gemm_bf16_pooled(const uint16_t* x, const uint16_t* packed, const float* bias,

@@ -46,6 +46,10 @@ class CpuGemm:
         supported = getattr(library, "triollm_gemm_amx_supported", None)
         #: Whether products of enough rows run on AMX tiles (gemm_amx.h).
         self.has_tiles = bool(supported is not None and supported())
+        self._rows = getattr(library, "triollm_gemm_rows_bf16", None) if self.has_tiles else None
+        if self._rows is not None:
+            self._rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+            self._rows.restype = ctypes.c_int
 
     def use_tiles_from(self, rows: int) -> int:
         """Tests and benchmarks: AMX tiles take products from ``rows`` rows on (0:
@@ -65,6 +69,35 @@ class CpuGemm:
         out_features, in_features = weight.shape
         return (weight.detach().reshape(out_features // 16, 16, in_features // 2, 2)
                 .permute(0, 2, 1, 3).contiguous())
+
+    def takes_row_major(self, weight: torch.Tensor) -> bool:
+        """Whether ``row_major`` multiplies by this ``[out, in]`` weight as it is: on AMX
+        tiles, bf16, contiguous, out a multiple of 16 and in of 32."""
+        return (self._rows is not None and weight.dtype == torch.bfloat16
+                and weight.dim() == 2 and weight.is_contiguous()
+                and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0)
+
+    def row_major(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                  ) -> torch.Tensor:
+        """bf16 ``x @ weight.T + bias`` over a row-major weight that ``takes_row_major``
+        (csrc/gemm_rows_amx.h), on torch's thread count; ``bias`` is fp32 (or None)."""
+        out_features, in_features = weight.shape
+        if x.dtype != torch.bfloat16 or x.shape[-1] != in_features:
+            raise ValueError(f"the bf16 GEMM takes bf16 [..., {in_features}] inputs, got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        assert self._rows is not None and self.takes_row_major(weight)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = x.new_empty((*x.shape[:-1], out_features))
+        failed = self._rows(x.data_ptr(), weight.data_ptr(),
+                            None if bias is None else bias.data_ptr(), out.data_ptr(),
+                            x.numel() // in_features, out_features, in_features,
+                            torch.get_num_threads())
+        if failed == 2:
+            raise MemoryError("no memory for the bf16 GEMM's transposed inputs")
+        if failed:
+            raise RuntimeError("the AMX tiles refused a row-major product")
+        return out
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
                  ) -> torch.Tensor:

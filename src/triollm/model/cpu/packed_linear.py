@@ -14,7 +14,8 @@ without compiling the model.
 Only plain ``nn.Linear`` and GPT-2's ``Conv1D`` are packed, only on CPU, and only a
 weight that no other module shares: a tied LM head keeps its embedding's weight as an
 ``nn.Linear``, except where bf16 runs on gemm_avx2.py's kernel, where it runs on a
-packed copy (its size again in memory, logged; measured in docs/benchmarks.md).
+packed copy (its size again in memory, logged; measured in docs/benchmarks.md), and
+on CPUs with AMX-BF16, where it runs on tiles over the shared weight (tied_head.py).
 Each packed layer is checked against the unpacked product before it replaces the
 original; a layer that fails the check, or a torch without the oneDNN ops, keeps the
 plain module.
@@ -52,6 +53,7 @@ from transformers.pytorch_utils import Conv1D
 from triollm.model.cpu.gemm import CpuGemm, load_gemm
 from triollm.model.cpu.gemm_avx2 import load_avx2_gemm
 from triollm.model.cpu.helpers import drain_pools
+from triollm.model.cpu.tied_head import tied_head_on_tiles
 from triollm.model.ops import define_op
 from triollm.model.shared_input import fuse_grouped_calls, runs_on_one_input
 
@@ -348,8 +350,15 @@ def pack_linear_layers(model: nn.Module) -> int:
                 continue
             weight = child.weight
             shared = uses[id(weight)] > 1
+            if shared and child is head and not _copies_tied_head(child):
+                tied = tied_head_on_tiles(child)
+                if tied is not None:
+                    logger.info("the tied LM head runs on AMX tiles over its embedding's "
+                                "weight")
+                    setattr(parent, name, tied)
+                continue
             if (weight.device.type != "cpu" or not _packable(weight)
-                    or (shared and not (child is head and _copies_tied_head(child)))):
+                    or (shared and child is not head)):
                 continue
             packed = _packed_if_equal(*_weight_and_bias(child))
             if packed is not None and shared:
