@@ -84,6 +84,25 @@ def test_a_tied_bf16_head_reads_the_embedding_weight_in_place(
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@needs_tiles
+def test_more_rows_than_the_tiles_take_go_to_aten(tiny_models: dict[str, Path]) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["opt"],
+                                                 dtype=torch.bfloat16).eval()
+    pack_linear_layers(model)
+    head = model.get_output_embeddings()
+    assert isinstance(head, TiedHead)
+    generator = torch.Generator().manual_seed(2)
+    for rows in (tied_head.MAX_ROWS, tied_head.MAX_ROWS + 1):
+        x = torch.randn(rows, head.in_features, generator=generator).bfloat16()
+        with torch.inference_mode():
+            got = head(x)
+        aten = nn.functional.linear(x, head.weight)
+        if rows > tied_head.MAX_ROWS:
+            assert torch.equal(got, aten)
+        else:
+            torch.testing.assert_close(got.float(), aten.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_without_tiles_the_head_stays_atens(tiny_models: dict[str, Path],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tied_head, "load_gemm", lambda: None)

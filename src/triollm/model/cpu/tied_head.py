@@ -7,8 +7,9 @@ step, and at the small sizes it is a large share of the weights: 136M of Qwen2.5
 packed into gemm.py's layout without a copy of its own. aten's ``linear`` reads it at
 about half the memory's bandwidth; on CPUs with AMX-BF16 the C kernel
 (``csrc/gemm_rows_amx.h``) reads the row-major weight in place at 1.7-1.8x that, one to
-16 rows a call (docs/benchmarks.md). Elsewhere the head stays as it is (or, where
-gemm_avx2.py's kernel is the bf16 one, gets a packed copy: packed_linear.py).
+16 rows a call, 1.4x at 64 (docs/benchmarks.md); more rows than that (prompt logprobs,
+large decode batches) go to aten's ``linear``. Elsewhere the head stays as it is (or,
+where gemm_avx2.py's kernel is the bf16 one, gets a packed copy: packed_linear.py).
 
 The head runs eagerly, after the compiled decoder, on torch's thread count; traced by
 ``torch.compile`` it is aten's ``linear`` again.
@@ -21,7 +22,12 @@ from torch import nn
 
 from triollm.model.cpu.gemm import CpuGemm, load_gemm
 
-__all__ = ["TiedHead", "tied_head_on_tiles"]
+__all__ = ["MAX_ROWS", "TiedHead", "tied_head_on_tiles"]
+
+#: The most rows a call takes to the tiles; more go to aten's ``linear``. From a few
+#: dozen rows the kernel re-reads each unit's weights from cache per 16 rows, and at
+#: 128-1024 rows it was 0.86-1.06x aten (docs/benchmarks.md).
+MAX_ROWS = 64
 
 
 class TiedHead(nn.Module):
@@ -38,7 +44,8 @@ class TiedHead(nn.Module):
         self._gemm = gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_dynamo_compiling() or x.dtype != torch.bfloat16:
+        if (torch.compiler.is_dynamo_compiling() or x.dtype != torch.bfloat16
+                or x.numel() > MAX_ROWS * self.in_features):
             return nn.functional.linear(x, self.weight, self.bias)
         return self._gemm.row_major(x, self.weight.detach(), self._fp32_bias)
 
