@@ -5,6 +5,7 @@ tiles it stays aten's ``nn.Linear``."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,20 @@ def test_without_tiles_the_head_stays_atens(tiny_models: dict[str, Path],
     if load_gemm() is not None:  # else the AVX2 kernel may pack a copy
         pack_linear_layers(model)
         assert model.get_output_embeddings() is head and type(head) is nn.Linear
+
+
+@needs_tiles
+def test_a_kernel_that_disagrees_keeps_aten(monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    gemm = load_gemm()
+    assert gemm is not None
+    original = type(gemm).row_major
+    monkeypatch.setattr(type(gemm), "row_major",
+                        lambda self, x, weight, bias: original(self, x, weight, bias) + 1.0)
+    head = nn.Linear(64, 32, bias=False).bfloat16()
+    with caplog.at_level(logging.WARNING, logger=tied_head.__name__):
+        assert tied_head_on_tiles(head) is None
+    assert "disagrees" in caplog.text
 
 
 def test_it_takes_only_bf16_weights_the_kernel_fits() -> None:

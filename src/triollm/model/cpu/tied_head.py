@@ -17,12 +17,16 @@ The head runs eagerly, after the compiled decoder, on torch's thread count; trac
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from triollm.model.cpu.gemm import CpuGemm, load_gemm
 
 __all__ = ["MAX_ROWS", "TiedHead", "tied_head_on_tiles"]
+
+logger = logging.getLogger(__name__)
 
 #: The most rows a call takes to the tiles; more go to aten's ``linear``. From a few
 #: dozen rows the kernel re-reads each unit's weights from cache per 16 rows, and at
@@ -39,7 +43,7 @@ class TiedHead(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight
-        self.bias = None if bias is None else bias
+        self.bias = bias
         self._fp32_bias = None if bias is None else bias.detach().float()
         self._gemm = gemm
 
@@ -70,5 +74,7 @@ def tied_head_on_tiles(head: nn.Module) -> TiedHead | None:
         expected = nn.functional.linear(probe, weight, head.bias).float()
         got = tied(probe).float()
     if not torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max())):
+        logger.warning("the AMX row-major kernel disagrees with aten's linear for the tied "
+                       "LM head of shape %s; keeping aten's linear", tuple(weight.shape))
         return None
     return tied
