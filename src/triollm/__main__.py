@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import sys
-
-from triollm.cli import main
+from triollm.cli import run
 
 if __name__ == "__main__":  # not when a worker process loads the parent's main module
-    sys.exit(main())
+    run()

@@ -20,7 +20,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from triollm.argv_spelling import human_readable_int, normalize_argv
 from triollm.connection_flags import add_connection_arguments, connection_options
@@ -29,6 +29,7 @@ from triollm.engine.args import AsyncEngineArgs, EngineArgs
 from triollm.entrypoints.chat_utils import CONTENT_FORMATS
 from triollm.flag_help import engine_flag_help
 from triollm.model.source import model_source_problem
+from triollm.process_exit import exit_without_teardown
 from triollm.refused_flags import add_refused_flags
 from triollm.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, DEFAULT_MAX_REQUEST_BODY_BYTES
 from triollm.tool_flags import add_tool_arguments, tool_options
@@ -53,6 +54,7 @@ __all__ = [
     "main",
     "normalize_argv",
     "package_version",
+    "run",
     "server_options_from_namespace",
 ]
 
@@ -425,3 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run() -> NoReturn:
+    """The ``triollm`` command and ``python -m triollm``: ``main``'s status as the
+    process's, exiting without the interpreter's teardown once the command is done
+    (``triollm.process_exit``)."""
+    exit_without_teardown(main())

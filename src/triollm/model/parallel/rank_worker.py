@@ -82,6 +82,7 @@ class RankWorker:
 def main() -> None:
     """The ``mp`` executor's child: the job on stdin, then steps until a stop or EOF."""
     from triollm.model.runners.compile_process import die_with_parent
+    from triollm.process_exit import exit_without_teardown
 
     stdin = sys.stdin.buffer
     job: RankJob = pickle.load(stdin)
@@ -93,6 +94,7 @@ def main() -> None:
     while message := read_frame(stdin):
         worker.run_step(message)
     worker.shutdown()
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":
