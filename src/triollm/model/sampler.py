@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from triollm.model.argmax import argmax
 from triollm.sampling_params import SamplingParams
 from triollm.step import TokenLogprobs
 from triollm.structured_output.bitmask import GrammarMask, apply_bitmask
@@ -55,7 +56,7 @@ def sample(
     if grammar_only is not None:
         _restore_grammar_rows(logits, *grammar_only)
 
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = argmax(logits)
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
@@ -66,7 +67,7 @@ def sample(
         # A zero draw would make 0 / 0 = NaN for a filtered-out token, and argmax
         # treats NaN as the largest value.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        tokens[index] = torch.argmax(probs / noise, dim=-1)
+        tokens[index] = argmax(probs / noise)
 
     token_list = tokens.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)

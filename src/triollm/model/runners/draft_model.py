@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from triollm.config import EngineConfig
+from triollm.model.argmax import argmax
 from triollm.model.attention.metadata import KVCacheSpec, PagedKVCache
 from triollm.model.attention.paged import ATTENTION_NAME
 from triollm.model.cpu.packed_linear import pack_linear_layers
@@ -249,7 +250,7 @@ class DraftModel:
                 assert grammar is not None
                 grammar.matcher.fill_bitmask(bitmask, i)
             apply_bitmask(logits, bitmask.to(logits.device), constrained)
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = argmax(logits).tolist()
         for row, request in enumerate(requests):
             if request.row.params.is_greedy:
                 drafts[row].append(greedy[row])
