@@ -425,12 +425,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def run() -> NoReturn:
     """The ``triollm`` command and ``python -m triollm``: ``main``'s status as the
     process's, exiting without the interpreter's teardown once the command is done
     (``triollm.process_exit``)."""
     exit_without_teardown(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -2,7 +2,7 @@
 gives it, in a fraction of its time over a vocabulary.
 
 torch's CPU ``argmax`` compares one element at a time: over one row of Qwen2.5's
-151,936 logits it took 0.33 ms, and 5.3 ms over 16 rows, on a 2-core AVX-512 machine
+151,936 logits it took 0.51 ms, and 4.0 ms over 16 rows, on a 2-core AVX-512 machine
 (docs/benchmarks.md), while ``amax``, vectorized, reads the same row in about 17 µs. So
 the row is cut into chunks of ``CHUNK``: ``amax`` gives each chunk's largest value, the
 argmax of those few picks the chunk, and the argmax within that chunk picks the element.
