@@ -1,5 +1,5 @@
 """A process of triollm's own ends without the interpreter's teardown once its work is
-shut down (the CLI, tensor-parallel ranks): its exit handlers still run and what it
+shut down (the CLI, engine processes, tensor-parallel ranks): its exit handlers still run and what it
 wrote still arrives."""
 
 from __future__ import annotations

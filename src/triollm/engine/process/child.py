@@ -39,6 +39,7 @@ from triollm.engine.process.protocol import (
     frame,
 )
 from triollm.model.runners.compile_process import die_with_parent
+from triollm.process_exit import exit_without_teardown
 from triollm.sampling_params import SamplingParams
 from triollm.structured_output.grammar import CompiledGrammar
 
@@ -248,10 +249,8 @@ def main() -> None:
     except BaseException:  # the server reads the exit status
         logger.exception("engine %d stopped", setup.index)
         status = 1
-    # The engine has shut down (its threads joined, its runner freed): skip the
-    # interpreter's teardown of torch's modules, seconds on a busy machine.
-    logging.shutdown()
-    os._exit(status)
+    # The engine has shut down (its threads joined, its runner freed).
+    exit_without_teardown(status)
 
 
 if __name__ == "__main__":
