@@ -1,6 +1,6 @@
 """A process of triollm's own ends without the interpreter's teardown once its work is
-shut down (the CLI, engine processes, tensor-parallel ranks): its exit handlers still run and what it
-wrote still arrives."""
+shut down (the CLI, engine processes, tensor-parallel ranks): its exit handlers still
+run and what it wrote still arrives."""
 
 from __future__ import annotations
 
