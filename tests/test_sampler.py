@@ -121,3 +121,14 @@ def test_allowed_tokens_and_bias_leave_other_rows_and_raw_logprobs_alone() -> No
     biased_entry = logprobs[0]
     assert biased_entry is not None  # logprobs are the model's, before the bias (as vLLM)
     assert biased_entry.logprobs[0] == pytest.approx(math.log(0.05), abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_callers_logits_are_left_as_they_were(dtype: torch.dtype) -> None:
+    params = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={0: 5.0},
+                            min_tokens=4, stop_token_ids=[1], allowed_token_ids=[0, 1, 2])
+    logits = LOGITS[None].repeat(2, 1).to(dtype)
+    before = logits.clone()
+    rows = [SamplingRow(params, None, [0, 2], [2]), SamplingRow(params, None, [3], [])]
+    sample(logits, rows, None)
+    assert torch.equal(logits, before)

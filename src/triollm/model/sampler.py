@@ -40,11 +40,10 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Pick one token per row of ``logits`` (``[N, vocab]``); ``grammar_mask`` holds
     the allowed tokens of the rows under a grammar."""
-    logits = logits.float()
+    logits = _fp32_copy(logits)
     wants_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
 
-    logits = logits.clone()
     grammar_only = None
     if grammar_mask is not None:
         apply_bitmask(logits, grammar_mask.bitmask, grammar_mask.rows)
@@ -81,7 +80,7 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     """The distributions ``sample`` draws the (non-greedy) ``rows`` from, ``[N, vocab]``
     float32 summing to 1: for speculative decoding's rejection rule, whose requests
     have no grammar."""
-    logits = logits.float().clone()
+    logits = _fp32_copy(logits)
     _apply_min_tokens(logits, rows)
     _apply_allowed_tokens_and_bias(logits, rows)
     _apply_bad_words(logits, rows)
@@ -127,6 +126,12 @@ def _restore_grammar_rows(logits: torch.Tensor, kept: list[int], saved: torch.Te
     for j, i in enumerate(kept):
         if emptied[j]:
             logits[i] = saved[j]
+
+
+def _fp32_copy(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in fp32, in a tensor of its own (the filters change rows in place): the
+    conversion from another dtype is that copy."""
+    return logits.clone() if logits.dtype == torch.float32 else logits.float()
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
