@@ -174,3 +174,43 @@ def test_each_rank_takes_its_core_list_and_a_wrong_count_is_refused(
     placed, cpus = rank_placement(config)
     assert cpus == [None, None]
     assert placed.model.cpu_threads == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+
+def test_the_int4_heads_of_two_ranks_give_the_full_heads_tokens_and_logprobs(
+        tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's LM head ranks its slice of a 4096-token vocabulary on an int4 copy:
+    the greedy tokens are those of heads computing every logit in full, and in a step
+    reporting logprobs every rank computes its slice in full, so the logprobs are too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from triollm.model.quantization import lm_head
+
+    monkeypatch.setattr("triollm.model.parallel.runner._executor", ThreadExecutor)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", 4096))
+    for parameter in model.parameters():
+        parameter.data.normal_(0.0, 0.15)
+    path = str(tmp_path / "wide")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    prompts: Any = [{"prompt_token_ids": ids} for ids in ([5, 17, 42], [300, 12, 7, 99])]
+    args: dict[str, Any] = {"dtype": "float32", "max_model_len": 128, "quantization": "int4",
+                            "tensor_parallel_size": 2}
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+    reported = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                              detokenize=False, logprobs=3)
+    ranked = LLM(path, **args)
+    with monkeypatch.context() as patch:  # heads that take no rows to the int4 copy
+        patch.setattr(lm_head, "MAX_ROWS", 0)
+        patch.setattr(lm_head, "MAX_ROWS_ON_TILES", 0)
+        full = LLM(path, **args)
+    assert tokens(ranked, prompts, greedy) == tokens(full, prompts, greedy)
+    for a, b in zip(ranked.generate(prompts, reported, use_tqdm=False),
+                    full.generate(prompts, reported, use_tqdm=False), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs is not None and b.outputs[0].logprobs is not None
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-5 for t in x)

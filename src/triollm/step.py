@@ -73,6 +73,13 @@ class ScheduledRequest:
                 and self.sampling_params.prompt_logprobs is not None
                 and self.start_position < len(self.prompt_token_ids) - 1)
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether this step reports log-probabilities for it: of its sampled token or
+        of its prompt."""
+        return self.wants_prompt_logprobs or (self.sampling_params is not None
+                                              and self.sampling_params.logprobs is not None)
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:

@@ -6,7 +6,7 @@ what is left (model/runners/setup.py).
 checkpoint reader unpacks them; ``quantize_linear_layers`` makes them from the float
 weights (``--quantization int8`` / ``int4``), one layer at a time so that the
 full-precision and the integer copies of the model never coexist, and the LM head
-to int8 (lm_head.py). The embeddings and any other weight another module shares stay
+ranks on an int4 copy (lm_head.py). The embeddings and any other weight another module shares stay
 as loaded; a checkpoint's head stays as stored.
 """
 
@@ -23,6 +23,7 @@ from triollm.model.quantization.linear import QuantizedLinear, quantized_or_plai
 from triollm.model.quantization.lm_head import quantize_lm_head
 from triollm.model.quantization.methods import ON_THE_FLY_BITS
 from triollm.model.quantization.quantize import quantize_weight
+from triollm.model.quantization.rescored_head import RescoredHead
 from triollm.model.quantization.weights import QuantizedWeight
 
 __all__ = ["quantizable_layers", "quantize_linear_layers", "replace_linear_layers",
@@ -52,8 +53,8 @@ def replace_linear_layers(model: nn.Module, weights: Mapping[str, QuantizedWeigh
 def quantize_linear_layers(model: nn.Module, method: str, group_size: int) -> int:
     """Quantize ``model``'s linear layers (``quantizable_layers``) with an on-the-fly
     ``method`` (methods.py) in groups of ``group_size`` input columns (-1: per
-    channel; int8 is always per channel), and its LM head to int8 (lm_head.py), in
-    place. Returns how many decoder layers were replaced."""
+    channel; int8 is always per channel), and its LM head onto an int4 copy
+    (lm_head.py), in place. Returns how many decoder layers were replaced."""
     bits = ON_THE_FLY_BITS[method]
     modules = dict(model.named_modules())
     kernels: Counter[str] = Counter()
@@ -83,10 +84,11 @@ def quantizable_layers(model: nn.Module) -> list[str]:
 
 def weight_bytes(model: nn.Module) -> int:
     """The bytes ``model``'s weights take: its parameters and buffers (each once) and its
-    quantized layers' packed tensors."""
+    quantized layers' packed tensors (an LM head's int4 copy included)."""
     tensors = {id(t): t.nbytes for t in [*model.parameters(), *model.buffers()]}
     return sum(tensors.values()) + sum(
-        module.nbytes for module in model.modules() if isinstance(module, QuantizedLinear))
+        module.nbytes for module in model.modules()
+        if isinstance(module, (QuantizedLinear, RescoredHead)))
 
 
 def _replace(model: nn.Module, modules: dict[str, nn.Module], name: str,
