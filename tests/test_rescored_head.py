@@ -113,7 +113,7 @@ def test_the_greedy_token_is_the_full_heads_over_many_rows_in_bfloat16() -> None
             assert torch.equal(head(x).argmax(-1), reference(x).argmax(-1))
 
 
-def test_a_step_reporting_logprobs_and_many_rows_get_every_logit_in_full() -> None:
+def test_a_step_reporting_logprobs_and_many_or_no_rows_get_every_logit_in_full() -> None:
     head, reference = rescored()
     few = torch.randn(1, 3, HIDDEN)
     many = torch.randn(1, head._compute.max_rows + 1, HIDDEN)
@@ -122,6 +122,7 @@ def test_a_step_reporting_logprobs_and_many_rows_get_every_logit_in_full() -> No
             torch.testing.assert_close(head(few), reference(few))
         assert not torch.allclose(head(few), reference(few), atol=1e-3)
         torch.testing.assert_close(head(many), reference(many))
+        assert head(torch.randn(1, 0, HIDDEN)).shape == (1, 0, VOCAB)
 
 
 def test_a_compiled_graph_calls_the_head_as_one_op() -> None:
@@ -191,3 +192,14 @@ def test_decode_logprobs_are_the_full_heads(tiny_models: dict[str, Path],
     expected = transformers_logprobs(dequantized_copy(path, tmp_path / "copy", "int4", 128),
                                      [*prompt, *output.token_ids])[len(prompt) - 1:]
     assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-3
+
+
+def test_a_chunked_prefill_step_that_samples_nothing_runs(llama_path: Path) -> None:
+    """A step of prompt chunks keeps no logits: the head gets no rows."""
+    prompt = {"prompt_token_ids": list(range(5, 70))}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    chunked = quantized_llm(llama_path, "int4", max_num_batched_tokens=16,
+                            enable_chunked_prefill=True)
+    whole = quantized_llm(llama_path, "int4")
+    assert (chunked.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+            == whole.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)

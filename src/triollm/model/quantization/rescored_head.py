@@ -4,19 +4,20 @@ computes the leading candidates' logits exactly, on the weight itself.
 At one decode row the head reads its whole weight every step, and in the small models
 served on CPUs it is a large share of the weights (Qwen2.5-0.5B: 136M of 494M
 parameters). An int4 copy reads a quarter of a bf16 head's bytes. Its logits carry int4's
-rounding error, so they serve to find the candidates: the vocabulary is cut into chunks
-of ``CHUNK`` logits, and every logit of the ``CHUNKS`` chunks with the largest maxima is
-recomputed on the full-precision rows (a superset of the ``CHUNKS`` leading logits, and of
-any logit within int4's error of the largest, at the 0.5B size's error of 0.1 of a
-logit's spread). The greedy token and the leading candidates' logits are then the full
-head's; a token outside them keeps the int4 copy's logit.
+rounding error, so they serve to find the candidates: the vocabulary's columns are dealt
+into ``CHUNK``-column chunks (``candidates``), and every logit of the ``CHUNKS`` chunks
+with the largest maxima (256 a row) is recomputed on the full-precision rows. They hold
+the copy's ``CHUNKS`` largest logits; at Qwen2.5-0.5B's shape the copy errs by about a
+tenth of the logits' spread, and over 256 random rows the full head's greedy token was
+always among them (benchmarks/lm_head.py). The greedy token and the leading candidates'
+logits are then the full head's; a token outside them keeps the copy's logit.
 
 Where every logit must be the full head's (``exact_logits``: the runner asks for it in a
-step with a request wanting logprobs or prompt logprobs) and for more than ``MAX_ROWS``
-rows, the head computes on its full weight: AMX tiles over the row-major weight where
-the CPU has them (cpu/tied_head.py), else aten's ``linear``. A compiled model calls the
-head as the opaque op ``triollm::rescored_head``, which reads ``exact_logits`` when it
-runs.
+step with a request wanting logprobs or prompt logprobs) and for more rows than the copy
+ranks (``MAX_ROWS_ON_TILES`` where the full weight runs on AMX tiles, cpu/tied_head.py,
+else ``MAX_ROWS`` on aten's ``linear``), the head computes on its full weight. A
+compiled model calls the head as the opaque op ``triollm::rescored_head``, which reads
+``exact_logits`` when it runs.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class _Compute:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if getattr(_step, "exact", False) or rows.shape[0] > self.max_rows:
+        if (getattr(_step, "exact", False) or rows.shape[0] > self.max_rows
+                or not rows.shape[0]):
             return self.exact(x)
         logits = self.coarse(rows)
         if self.bias is not None:
@@ -111,7 +113,7 @@ class _Compute:
         flat = index + torch.arange(0, logits.numel(), logits.shape[1],
                                     device=index.device)[:, None]
         logits.view(-1)[flat.flatten()] = recomputed.flatten().to(logits.dtype)
-        return logits.view(*x.shape[:-1], -1)
+        return logits.view(*x.shape[:-1], logits.shape[1])
 
 
 class RescoredHead(nn.Module):
