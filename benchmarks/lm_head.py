@@ -1,16 +1,17 @@
-"""The LM head of an on-the-fly quantized model (model/quantization/rescored_head.py)
+"""The LM head of an on-the-fly quantized tied model (model/quantization/rescored_head.py)
 against the alternatives, on a vocabulary-sized bf16 weight: ms per call (median) at
 each row count for
 
-- ``int8``: an int8 copy with a scale per row (what the head was before);
+- ``int8``: the int8 copy with a scale per row (the head's path for every row that is
+  not a plain greedy one, and an untied head's only path);
 - ``int4 ranked``: the int4 copy ranking the vocabulary, the candidates recomputed on
-  the weight (taken up to the head's row limit, forced here at every count);
-- ``full``: every logit on the bf16 weight (the head's path for a step reporting
-  logprobs and for more rows than the limit: AMX tiles where the CPU has them).
+  the weight (the head's path for rows that want only the argmax);
+- ``bf16``: every logit on the bf16 weight (AMX tiles where the CPU has them, as a
+  bf16 model's tied head runs).
 
-Then how closely each copy's logits follow the full head's on random hidden states:
+Then how closely each copy's logits follow the bf16 head's on random hidden states:
 the error's root mean square over the logits' standard deviation, and how often the
-greedy token is the full head's. Weights are random, at a trained model's scale
+greedy token is the bf16 head's. Weights are random, at a trained model's scale
 (standard deviation ``hidden ** -0.5``), as benchmarks/quantization.py makes them.
 
     python benchmarks/lm_head.py
@@ -26,10 +27,9 @@ import torch
 from torch import nn
 
 from common import timed
-from triollm.model.quantization.linear import quantized_or_plain
+from triollm.model.cpu.tied_head import tied_head_on_tiles
 from triollm.model.quantization.lm_head import quantize_lm_head
-from triollm.model.quantization.quantize import quantize_weight
-from triollm.model.quantization.rescored_head import RescoredHead
+from triollm.model.quantization.rescored_head import RescoredHead, argmax_rows
 from vs_vllm import CONTAMINATED_CORES, LoadSampler
 
 #: vocabulary, hidden
@@ -67,34 +67,33 @@ def main() -> None:
     args = parser.parse_args()
     vocab, hidden = SHAPES[args.shape]
     model = TiedHeadModel(vocab, hidden)
-    weight = model.embed.weight.detach()
-    int8 = quantized_or_plain(quantize_weight(weight, 8, -1), None, torch.bfloat16)
+    bf16 = tied_head_on_tiles(model.lm_head) or model.lm_head
     head = quantize_lm_head(model)
     assert isinstance(head, RescoredHead), "no int4 kernel takes the head on this machine"
-    limit = head._compute.max_rows
-    exact = head._compute.exact
     print(f"{args.shape} head ({vocab} x {hidden}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {head.extra_repr()}; the head ranks up to "
-          f"{limit} rows. ms per call, median of {args.repeats}")
-    print(f"{'rows':>5} {'int8':>8} {'int4 ranked':>12} {'full':>8} {'busy cores':>11}")
-    head._compute.max_rows = max(args.rows)
+          f"{torch.get_num_threads()} threads, {head.extra_repr()}; ms per call, median "
+          f"of {args.repeats}")
+    print(f"{'rows':>5} {'int8':>8} {'int4 ranked':>12} {'bf16':>8} {'busy cores':>11}")
     generator = torch.Generator().manual_seed(1)
     for rows in args.rows:
         x = torch.randn(1, rows, hidden, generator=generator).bfloat16()
         load = LoadSampler(set())
-        times = [timed(functools.partial(call, x), args.repeats)
-                 for call in (int8, head, exact)]
+        with argmax_rows([True] * rows):
+            ranked = timed(functools.partial(head, x), args.repeats)
+        copied = timed(functools.partial(head, x), args.repeats)
+        full = timed(functools.partial(bf16, x), args.repeats)
         busy = load.others_cores()
         flag = " contaminated" if busy > CONTAMINATED_CORES else ""
-        print(f"{rows:5d} {1000 * times[0]:8.3f} {1000 * times[1]:12.3f} "
-              f"{1000 * times[2]:8.3f} {busy:10.2f}{flag}", flush=True)
+        print(f"{rows:5d} {1000 * copied:8.3f} {1000 * ranked:12.3f} {1000 * full:8.3f} "
+              f"{busy:10.2f}{flag}", flush=True)
     x = torch.randn(1, 256, hidden, generator=generator).bfloat16()
-    full = exact(x)
-    head._compute.max_rows = 256
-    coarse = head._compute.coarse(x[0])
+    full_logits = bf16(x)
+    with argmax_rows([True] * 256):
+        ranked_logits = head(x)
     print("over 256 random rows: " + "; ".join([
-        agreement("int8 copy", int8(x), full), agreement("int4 copy alone", coarse, full[0]),
-        agreement("int4 ranked", head(x), full)]))
+        agreement("int8 copy", head(x), full_logits),
+        agreement("int4 copy alone", head.ranking(x[0]), full_logits[0]),
+        agreement("int4 ranked", ranked_logits, full_logits)]))
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@ The model has Qwen2.5-0.5B's shape (24 layers, hidden 896, MLP 4864, 14 query an
 key-value heads, its 151,936-token vocabulary with the LM head tied to the embeddings),
 or with ``--shape llama-3.2-1b`` Llama-3.2-1B's (16 layers, hidden 2048, MLP 8192, 32
 query and 8 key-value heads, 128,256 tokens, tied), with random bf16 weights;
-quantization replaces the decoder's linear layers, and the tied head ranks on an int4
-copy and computes its leading candidates on the bf16 weight (the embeddings stay bf16;
-see model/quantization/rescored_head.py). Each configuration runs in a process of its
-own: load (and compile, at ``--optimization-level``), warm up, then
+quantization replaces the decoder's linear layers, and the tied head computes on an int8
+copy, its greedy rows (all of them here) ranking on an int4 copy and recomputing their
+candidates on the bf16 weight (the embeddings stay bf16; see
+model/quantization/rescored_head.py). Each configuration runs in a process of its own:
+load (and compile, at ``--optimization-level``), warm up, then
 
 - decode at batch ``b``: ``b`` prompts of 32 tokens generating ``--decode-tokens``
   (greedy, ignore_eos), minus the same prompts generating one token, over the tokens

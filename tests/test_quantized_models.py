@@ -22,10 +22,10 @@ from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import LLM, LoRARequest, SamplingParams
 from triollm.engine.args import EngineArgs
 from triollm.model.quantization.linear import QuantizedLinear
+from triollm.model.quantization.lm_head import HEAD_BITS, lm_head_name
 from triollm.model.quantization.methods import ON_THE_FLY_BITS
 from triollm.model.quantization.quantize import quantize_weight
 from triollm.model.quantization.replace import quantizable_layers
-from triollm.model.quantization.rescored_head import RescoredHead
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 LONG_TEXT = " ".join(PROMPTS * 2)
@@ -34,8 +34,8 @@ LONG_TEXT = " ".join(PROMPTS * 2)
 def dequantized_copy(path: Path, target: Path, method: str, group_size: int,
                      auto: Any = AutoModelForCausalLM) -> Path:
     """``path``'s model saved under ``target`` with each layer on-the-fly quantization
-    replaces holding its quantized weight, dequantized to float32 (the LM head as it
-    is: the greedy tokens and logprobs are its own)."""
+    replaces holding its quantized weight, dequantized to float32 (the LM head its
+    int8 one, untied from the embedding)."""
     if not target.exists():
         shutil.copytree(path, target)
         model = auto.from_pretrained(path, dtype=torch.float32)
@@ -45,6 +45,12 @@ def dequantized_copy(path: Path, target: Path, method: str, group_size: int,
                 weight = modules[name].weight
                 weight.copy_(quantize_weight(weight, ON_THE_FLY_BITS[method],
                                              group_size).dequantize())
+            head_name = lm_head_name(model)
+            if head_name is not None:
+                head = model.get_submodule(head_name)
+                head.weight = torch.nn.Parameter(
+                    quantize_weight(head.weight, HEAD_BITS, -1).dequantize())
+                model.config.tie_word_embeddings = False
         model.save_pretrained(target)
     return target
 
@@ -53,10 +59,8 @@ def quantized_llm(path: Path, method: str, group_size: int = 128, **args: Any) -
     llm = LLM(str(path), quantization=method, quantization_group_size=group_size,
               **{"dtype": "float32", "max_model_len": 512, "num_gpu_blocks_override": 256,
                  **args})
-    model = llm.engine.runner.model
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(layers) == 14, "every decoder projection should run quantized"
-    assert isinstance(model.get_output_embeddings(), RescoredHead)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 15, "every decoder projection and the head should run quantized"
     return llm
 
 

@@ -177,40 +177,30 @@ def test_each_rank_takes_its_core_list_and_a_wrong_count_is_refused(
 
 
 
-def test_the_int4_heads_of_two_ranks_give_the_full_heads_tokens_and_logprobs(
+
+def test_each_ranks_tied_int4_head_ranks_the_rows_that_want_only_the_argmax(
         tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each rank's LM head ranks its slice of a 4096-token vocabulary on an int4 copy:
-    the greedy tokens are those of heads computing every logit in full, and in a step
-    reporting logprobs every rank computes its slice in full, so the logprobs are too."""
+    """The step's message tells rank 1 which rows want only the argmax: its slice of the
+    head ranks them as the driver's does."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from triollm.model.quantization import lm_head
+    from test_rescored_head import ranked_calls
 
     monkeypatch.setattr("triollm.model.parallel.runner._executor", ThreadExecutor)
+    config = tiny_config("llama", 4096, hidden_size=128, head_dim=32,
+                         tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", 4096))
+    model = AutoModelForCausalLM.from_config(config)
     for parameter in model.parameters():
         parameter.data.normal_(0.0, 0.15)
-    path = str(tmp_path / "wide")
+    path = str(tmp_path / "tied")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    prompts: Any = [{"prompt_token_ids": ids} for ids in ([5, 17, 42], [300, 12, 7, 99])]
     args: dict[str, Any] = {"dtype": "float32", "max_model_len": 128, "quantization": "int4",
                             "tensor_parallel_size": 2}
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
-    reported = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                              detokenize=False, logprobs=3)
-    ranked = LLM(path, **args)
-    with monkeypatch.context() as patch:  # heads that take no rows to the int4 copy
-        patch.setattr(lm_head, "MAX_ROWS", 0)
-        patch.setattr(lm_head, "MAX_ROWS_ON_TILES", 0)
-        full = LLM(path, **args)
-    assert tokens(ranked, prompts, greedy) == tokens(full, prompts, greedy)
-    for a, b in zip(ranked.generate(prompts, reported, use_tqdm=False),
-                    full.generate(prompts, reported, use_tqdm=False), strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs is not None and b.outputs[0].logprobs is not None
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert x.keys() == y.keys()
-            assert all(abs(x[t].logprob - y[t].logprob) < 1e-5 for t in x)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
+    two_ranks = LLM(path, **args)
+    calls = ranked_calls(monkeypatch)
+    tokens(two_ranks, PROMPTS, greedy)
+    assert len(set(calls)) == 2, "the driver's and rank 1's heads should both rank"

@@ -74,11 +74,16 @@ class ScheduledRequest:
                 and self.start_position < len(self.prompt_token_ids) - 1)
 
     @property
-    def wants_logprobs(self) -> bool:
-        """Whether this step reports log-probabilities for it: of its sampled token or
-        of its prompt."""
-        return self.wants_prompt_logprobs or (self.sampling_params is not None
-                                              and self.sampling_params.logprobs is not None)
+    def wants_only_the_argmax(self) -> bool:
+        """Whether all its generation needs of its logits is their argmax: greedy, no
+        logprobs, and nothing that changes the logits before the argmax (a grammar,
+        allowed tokens, a bias, bad words, penalties, min_tokens)."""
+        params = self.sampling_params
+        return (params is not None and params.is_greedy and params.logprobs is None
+                and params.prompt_logprobs is None and params.structured_outputs is None
+                and params.allowed_token_ids is None and not params.logit_bias
+                and not params.bad_words and not params.has_penalties
+                and params.min_tokens == 0)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 The driver sends the requests its forward runs, after its own checks (so every rank
 runs the same batch): per request only what the forward reads, its new tokens, first
-position, the blocks they touch, which logits it keeps and whether it reports logprobs
-(the LM head then computes every logit in full: rescored_head.py). Each rank rebuilds
-the step's inputs from it with the driver's own ``prepare_batch``. No sampling state,
+position, the blocks they touch, which logits it keeps and whether only their argmax
+is wanted (for the LM head: quantization/rescored_head.py). Each rank rebuilds the
+step's inputs from it with the driver's own ``prepare_batch``. No sampling state,
 prompt, parameters or grammar crosses: only the driver samples. On a pipe a message is
 framed by its length; an empty message tells a rank to stop.
 """
@@ -25,8 +25,8 @@ STOP = b""
 _LENGTH = struct.Struct("<Q")
 #: Which logits a request keeps: none, after its last token, after every token.
 _KEEP_NONE, _KEEP_LAST, _KEEP_ALL = 0, 1, 2
-#: The parameters a rank's request carries where the driver's reports logprobs.
-_REPORTS_LOGPROBS = SamplingParams(logprobs=0)
+#: The parameters a rank's request carries where the driver's wants only the argmax.
+_ARGMAX_ONLY = SamplingParams(temperature=0)
 
 
 def encode_step(items: list[ScheduledRequest], block_size: int) -> bytes:
@@ -39,18 +39,18 @@ def encode_step(items: list[ScheduledRequest], block_size: int) -> bytes:
             keep = _KEEP_LAST if item.sample else _KEEP_NONE
         used = -(-(item.start_position + item.num_tokens) // block_size)
         rows.append((item.token_ids, item.start_position, item.block_table[:used], keep,
-                     item.wants_logprobs))
+                     item.wants_only_the_argmax))
     return pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def decode_step(message: bytes) -> list[ScheduledRequest]:
     """The requests of ``encode_step``'s message, as ``prepare_batch`` reads them."""
     items = []
-    for token_ids, start, table, keep, logprobs in pickle.loads(message):
+    for token_ids, start, table, keep, argmax_only in pickle.loads(message):
         items.append(ScheduledRequest(
             request_id="", token_ids=token_ids, start_position=start, block_table=table,
             sample=keep != _KEEP_NONE, prompt_token_ids=[],
-            sampling_params=_REPORTS_LOGPROBS if logprobs else None,
+            sampling_params=_ARGMAX_ONLY if argmax_only else None,
             num_draft_tokens=len(token_ids) if keep == _KEEP_ALL else 0))
     return items
 

@@ -73,7 +73,7 @@ class RankWorker:
         batch = prepare_batch(decode_step(message), runner.kv_cache, runner.decode_attention,
                               runner.device)
         run_forward(runner.model, batch.input_ids, batch.positions, batch.keep,
-                    batch.metadata, compiled=False, exact=batch.exact_logits)
+                    batch.metadata, compiled=False, argmax_only=batch.argmax_rows)
 
     def shutdown(self) -> None:
         self.runner.shutdown()

@@ -23,7 +23,7 @@ from triollm.model.attention.metadata import (
     PrefillChunk,
 )
 from triollm.model.attention.op import forward_metadata
-from triollm.model.quantization.rescored_head import exact_logits
+from triollm.model.quantization.rescored_head import argmax_rows
 from triollm.step import ScheduledRequest
 
 __all__ = ["DecodeAttention", "StepBatch", "decode_groups", "decode_spans", "prepare_batch",
@@ -83,15 +83,15 @@ def decode_groups(tables: list[list[int]], lens: list[int], attention: DecodeAtt
 @dataclass
 class StepBatch:
     """A step's forward inputs: ``[T]`` tokens and positions, the rows of the logits to
-    keep and, for each kept row, the index of the request it belongs to; whether every
-    logit must be the full head's (a request reports logprobs: rescored_head.py)."""
+    keep and, for each kept row, the index of the request it belongs to and whether only
+    the argmax of its logits is wanted (quantization/rescored_head.py)."""
 
     metadata: PagedAttentionMetadata
     input_ids: torch.Tensor
     positions: torch.Tensor
     keep: torch.Tensor
     keep_owner: list[int]
-    exact_logits: bool = False
+    argmax_rows: list[bool]
 
 
 def prepare_batch(items: list[ScheduledRequest], kv_cache: PagedKVCache,
@@ -146,17 +146,17 @@ def prepare_batch(items: list[ScheduledRequest], kv_cache: PagedKVCache,
         torch.tensor(positions, dtype=torch.long, device=device),
         torch.tensor(keep, dtype=torch.long, device=device),
         keep_owner,
-        any(item.wants_logprobs for item in items),
+        [items[owner].wants_only_the_argmax for owner in keep_owner],
     )
 
 
 def run_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep: int | torch.Tensor, metadata: PagedAttentionMetadata,
-                compiled: bool, exact: bool = False) -> torch.Tensor:
-    """The logits of a ``[T]`` batch's ``keep`` rows (each computed on the full head's
-    weight with ``exact``: rescored_head.py); a compiled model takes the metadata
-    through ``forward_metadata`` instead of a keyword."""
-    with exact_logits(exact):
+                compiled: bool, argmax_only: list[bool] | None = None) -> torch.Tensor:
+    """The logits of a ``[T]`` batch's ``keep`` rows (``argmax_only``: whether only the
+    argmax of each is wanted, for quantization/rescored_head.py); a compiled model takes
+    the metadata through ``forward_metadata`` instead of a keyword."""
+    with argmax_rows(argmax_only):
         if compiled:
             with forward_metadata(metadata):
                 return model(input_ids=input_ids[None], position_ids=positions[None],

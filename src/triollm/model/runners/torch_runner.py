@@ -275,7 +275,7 @@ class TorchModelRunner:
         forward_started = time.perf_counter()
         try:
             logits = run_forward(self.model, batch.input_ids, batch.positions, batch.keep,
-                                 batch.metadata, self.compiled, batch.exact_logits)
+                                 batch.metadata, self.compiled, batch.argmax_rows)
             if self.sync_forward_time:
                 torch.cuda.synchronize(self.device)
         finally:
