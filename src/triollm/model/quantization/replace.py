@@ -6,8 +6,9 @@ what is left (model/runners/setup.py).
 checkpoint reader unpacks them; ``quantize_linear_layers`` makes them from the float
 weights (``--quantization int8`` / ``int4``), one layer at a time so that the
 full-precision and the integer copies of the model never coexist, and the LM head
-ranks on an int4 copy (lm_head.py). The embeddings and any other weight another module shares stay
-as loaded; a checkpoint's head stays as stored.
+onto an int8 copy (lm_head.py; a tied one also ranks greedy rows on an int4 copy). The
+embeddings and any other weight another module shares stay as loaded; a checkpoint's
+head stays as stored.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def replace_linear_layers(model: nn.Module, weights: Mapping[str, QuantizedWeigh
 def quantize_linear_layers(model: nn.Module, method: str, group_size: int) -> int:
     """Quantize ``model``'s linear layers (``quantizable_layers``) with an on-the-fly
     ``method`` (methods.py) in groups of ``group_size`` input columns (-1: per
-    channel; int8 is always per channel), and its LM head onto an int4 copy
+    channel; int8 is always per channel), and its LM head onto quantized copies
     (lm_head.py), in place. Returns how many decoder layers were replaced."""
     bits = ON_THE_FLY_BITS[method]
     modules = dict(model.named_modules())
@@ -84,7 +85,7 @@ def quantizable_layers(model: nn.Module) -> list[str]:
 
 def weight_bytes(model: nn.Module) -> int:
     """The bytes ``model``'s weights take: its parameters and buffers (each once) and its
-    quantized layers' packed tensors (an LM head's int4 copy included)."""
+    quantized layers' packed tensors (a ``RescoredHead``'s copies included)."""
     tensors = {id(t): t.nbytes for t in [*model.parameters(), *model.buffers()]}
     return sum(tensors.values()) + sum(
         module.nbytes for module in model.modules()

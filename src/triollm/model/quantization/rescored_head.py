@@ -101,15 +101,14 @@ class RescoredHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         marks = getattr(_step, "rows", None)
-        ranked = ([] if marks is None or len(marks) != rows.shape[0]
-                  else [i for i, mark in enumerate(marks) if mark])
-        if len(ranked) == rows.shape[0] and ranked:
-            logits = self._ranked(rows)
-        elif not ranked:
+        if marks is None or len(marks) != rows.shape[0] or not any(marks):
             logits = self._copied(rows)
+        elif all(marks):
+            logits = self._ranked(rows)
         else:
-            index = torch.tensor(ranked, device=rows.device)
-            others = torch.tensor(sorted(set(range(rows.shape[0])) - set(ranked)),
+            index = torch.tensor([i for i, mark in enumerate(marks) if mark],
+                                 device=rows.device)
+            others = torch.tensor([i for i, mark in enumerate(marks) if not mark],
                                   device=rows.device)
             first = self._ranked(rows[index])
             logits = first.new_empty((rows.shape[0], self.out_features))

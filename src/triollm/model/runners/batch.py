@@ -131,6 +131,7 @@ def prepare_batch(items: list[ScheduledRequest], kv_cache: PagedKVCache,
                 query_start, query_start + count, context_len,
                 torch.tensor(used, dtype=torch.long, device=device)))
 
+    argmax_only = [item.wants_only_the_argmax for item in items]  # once per request
     metadata = PagedAttentionMetadata(
         kv_cache=kv_cache,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -146,7 +147,7 @@ def prepare_batch(items: list[ScheduledRequest], kv_cache: PagedKVCache,
         torch.tensor(positions, dtype=torch.long, device=device),
         torch.tensor(keep, dtype=torch.long, device=device),
         keep_owner,
-        [items[owner].wants_only_the_argmax for owner in keep_owner],
+        [argmax_only[owner] for owner in keep_owner],
     )
 
 
