@@ -8,35 +8,45 @@ query and 8 key-value heads, 128,256 tokens, tied), with random bf16 weights;
 quantization replaces the decoder's linear layers, and the tied head computes on an int8
 copy, its greedy rows (all of them here) ranking on an int4 copy and recomputing their
 candidates on the bf16 weight (the embeddings stay bf16; see
-model/quantization/rescored_head.py). Each configuration runs in a process of its own:
-load (and compile, at ``--optimization-level``), warm up, then
+model/quantization/rescored_head.py). Each configuration runs in a process of its own,
+which loads (and compiles, at ``--optimization-level``) once; the processes then take
+turns, ``--rounds`` times, each warming up and measuring while the others wait, so that
+a change in the machine's memory speed during the run reaches every mode alike. A
+measurement is
 
 - decode at batch ``b``: ``b`` prompts of 32 tokens generating ``--decode-tokens``
   (greedy, ignore_eos), minus the same prompts generating one token, over the tokens
   decoded after the first;
 - prefill: one prompt of ``--prefill-tokens`` generating one token.
 
-Reported: tokens/s, the ratio to bf16, and how many cores the rest of the machine kept
-busy meanwhile (benchmarks/vs_vllm.py's ``LoadSampler``; over a tenth of a core marks
-the figure contaminated).
+Reported: each round's tokens/s and how many cores the rest of the machine (the waiting
+modes' processes included) kept busy meanwhile (benchmarks/vs_vllm.py's
+``LoadSampler``; over a tenth of a core marks the figure contaminated); then per mode
+the median over rounds, and the median, lowest and highest of its ratio to bf16 measured
+in the same round.
 
     python benchmarks/quantization.py
     python benchmarks/quantization.py --modes bf16 int4 --batches 1 --optimization-level 0
+    python benchmarks/quantization.py --batches 1 --rounds 5
     python benchmarks/quantization.py --shape llama-3.2-1b
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import random
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from vs_vllm import CONTAMINATED_CORES, platform_line, run_child
+from vs_vllm import CONTAMINATED_CORES, LoadSampler, platform_line, process_cpu_seconds
 
 #: Per shape: its transformers config class; hidden, intermediate, layers, query heads,
 #: key-value heads, vocabulary (each with its LM head tied to the embeddings).
@@ -75,6 +85,8 @@ def save_model(directory: str, shape: str = "qwen2.5-0.5b") -> None:
 
 def child(model: str, mode: str, batches: list[int], decode_tokens: int,
           prefill_tokens: int, optimization_level: int, repeats: int) -> None:
+    """Load ``mode``'s engine, print ``READY``, then measure once per line read from
+    stdin (one ``RESULT`` line each) until stdin closes."""
     from triollm import LLM, SamplingParams
 
     quantization = None if mode == "bf16" else mode
@@ -84,8 +96,68 @@ def child(model: str, mode: str, batches: list[int], decode_tokens: int,
               quantization=quantization, optimization_level=optimization_level,
               enable_prefix_caching=False)
     load_s = time.perf_counter() - started
-    print("RESULT " + json.dumps(measure(llm, SamplingParams, load_s, batches, decode_tokens,
-                                         prefill_tokens, repeats)), flush=True)
+    print(f"READY {load_s}", flush=True)
+    for _ in sys.stdin:
+        print("RESULT " + json.dumps(measure(llm, SamplingParams, load_s, batches,
+                                             decode_tokens, prefill_tokens, repeats)),
+              flush=True)
+
+
+class LiveChild:
+    """A mode's measuring process (``child``), loaded once and measured on request, so
+    that the modes' measurements can take turns within one run."""
+
+    def __init__(self, command: list[str], what: str) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        self.what = what
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        self.load_s = float(self._line("READY "))
+
+    def _line(self, prefix: str) -> str:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        raise RuntimeError(f"{self.what} exited with {self.process.wait()} before {prefix!r}")
+
+    def measure(self, idle: list[LiveChild]) -> tuple[dict[str, float], float]:
+        """One measurement; and the cores the rest of the machine used meanwhile,
+        counting the ``idle`` children's (which are ours, so ``LoadSampler`` skips them)."""
+        assert self.process.stdin is not None
+        before = _tree_seconds([child.process.pid for child in idle])
+        started = time.monotonic()
+        sampler = LoadSampler({child.process.pid for child in idle})
+        self.process.stdin.write("measure\n")
+        self.process.stdin.flush()
+        result = json.loads(self._line("RESULT "))
+        others = sampler.others_cores()
+        idle_cores = ((_tree_seconds([child.process.pid for child in idle]) - before)
+                      / (time.monotonic() - started))
+        return result, others + idle_cores
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _tree_seconds(roots: list[int]) -> float:
+    """CPU seconds used so far by the processes ``roots`` and their descendants."""
+    processes = process_cpu_seconds()
+    tree, changed = set(roots), True
+    while changed:
+        changed = False
+        for pid, (_, parent) in processes.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                changed = True
+    return sum(processes[pid][0] for pid in tree if pid in processes)
 
 
 def measure(llm: Any, sampling_params: Any, load_s: float, batches: list[int],
@@ -125,29 +197,45 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--optimization-level", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen2.5-0.5b")
     args = parser.parse_args()
     print(f"# {platform_line()}; Python {platform.python_version()}; {args.shape} shape")
-    with tempfile.TemporaryDirectory() as directory:
-        save_model(directory, args.shape)
-        results = {}
-        for mode in args.modes:
-            command = [sys.executable, __file__, "--child", directory, mode,
-                       json.dumps(args.batches), str(args.decode_tokens),
-                       str(args.prefill_tokens), str(args.optimization_level),
-                       str(args.repeats)]
-            result, others = run_child(command, mode)
-            results[mode] = result
-            flag = "  CONTAMINATED" if others > CONTAMINATED_CORES else ""
-            print(f"{mode}: loaded in {result['load_s']:.0f} s; others used "
-                  f"{others:.2f} cores{flag}", flush=True)
     keys = [f"decode_b{size}" for size in args.batches] + ["prefill"]
-    print(f"{'tok/s':>8}" + "".join(f"{key:>22}" for key in keys))
-    base = results.get("bf16")
-    for mode, result in results.items():
-        cells = "".join(
-            f"{result[key]:>12.1f}" + (f" ({result[key] / base[key]:.2f}x)" if base else "")
-            .ljust(10) for key in keys)
+    rounds: list[dict[str, dict[str, float]]] = []
+    with tempfile.TemporaryDirectory() as directory, contextlib.ExitStack() as stack:
+        save_model(directory, args.shape)
+        children = {}
+        for mode in args.modes:  # one at a time: loading (compiling) is CPU-bound
+            children[mode] = LiveChild(
+                [sys.executable, __file__, "--child", directory, mode,
+                 json.dumps(args.batches), str(args.decode_tokens),
+                 str(args.prefill_tokens), str(args.optimization_level),
+                 str(args.repeats)], mode)
+            stack.callback(children[mode].close)
+            print(f"{mode}: loaded in {children[mode].load_s:.0f} s", flush=True)
+        for number in range(args.rounds):
+            results = {}
+            for mode, live in children.items():
+                results[mode], others = live.measure(
+                    [other for other in children.values() if other is not live])
+                flag = "  CONTAMINATED" if others > CONTAMINATED_CORES else ""
+                print(f"round {number + 1} {mode}: " + " ".join(
+                    f"{key} {results[mode][key]:.1f}" for key in keys)
+                    + f"; others used {others:.2f} cores{flag}", flush=True)
+            rounds.append(results)
+    print(f"median of {args.rounds} rounds, tok/s (ratio to bf16 in the same round: "
+          "median, lowest-highest)")
+    print(f"{'tok/s':>8}" + "".join(f"{key:>28}" for key in keys))
+    for mode in args.modes:
+        cells = ""
+        for key in keys:
+            cell = f"{statistics.median(r[mode][key] for r in rounds):.1f}"
+            if "bf16" in args.modes:
+                ratios = sorted(r[mode][key] / r["bf16"][key] for r in rounds)
+                cell += (f" ({statistics.median(ratios):.2f}x, "
+                         f"{ratios[0]:.2f}-{ratios[-1]:.2f})")
+            cells += cell.rjust(28)
         print(f"{mode:>8}{cells}")
 
 
