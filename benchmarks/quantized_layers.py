@@ -9,7 +9,9 @@ times instead one decode token's linear layers (the 7 of each of 24 layers, each
 copy of its own, so that they come from memory as in the engine) on every kernel this
 CPU has, including each int4/int8 kernel below the one the engine picks, and on an AMX
 CPU each AVX-512 kernel also kept on its own path at every row count ("no tiles": no AMX
-tiles, no dequantizing for torch's ``linear``), taken in turn with the default.
+tiles, no dequantizing for torch's ``linear``), taken in turn with the default; and per
+layer shape, what one call takes and the GB/s of weights it reads (a small layer's call
+pays the Python of the call and the start of its stream on fewer bytes).
 
     python benchmarks/quantized_layers.py
     python benchmarks/quantized_layers.py --rows 1 4 16 64 512 --repeats 50
@@ -49,6 +51,9 @@ SHAPES = {"q/o": (896, 896), "gate/up": (4864, 896), "down": (896, 4864),
 TOKEN_LAYERS = [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896),
                 (896, 4864)]
 LAYERS = 24
+#: The weights of one token's layers (each layer's share of a kernel's bytes is its share
+#: of these).
+TOKEN_WEIGHTS = LAYERS * sum(out * in_ for out, in_ in TOKEN_LAYERS)
 KERNELS = {"vnni": vnni_kernel_for, "avx512": avx512_kernel_for, "avx2": avx2_kernel_for}
 
 
@@ -87,18 +92,32 @@ def one_token(rows: list[int], repeats: int, group_size: int) -> None:
     for count in rows:
         inputs = {k: torch.randn(count, k).bfloat16() for k in {s[1] for s in TOKEN_LAYERS}}
         times: dict[str, list[float]] = {name: [] for name in passes}
-        for _ in range(repeats):
+        # per kernel and shape: seconds per pass, summed over the token's layers
+        by_shape = {name: {shape: [0.0] * repeats for shape in TOKEN_LAYERS}
+                    for name in passes}
+        for repeat in range(repeats):
             for name, layers in passes.items():
                 with _kernel_paths_off(native[name.split()[1]] if name.endswith(" no tiles")
                                        else None):
-                    started = time.perf_counter()
+                    started = last = time.perf_counter()
                     for layer, shape in zip(layers, TOKEN_LAYERS * LAYERS, strict=True):
                         layer(inputs[shape[1]])
+                        now = time.perf_counter()
+                        by_shape[name][shape][repeat] += now - last
+                        last = now
                     times[name].append(time.perf_counter() - started)
         for name, seconds in times.items():
             median = statistics.median(seconds[2:])
+            shares = []
+            for shape, spent in by_shape[name].items():
+                calls = TOKEN_LAYERS.count(shape) * LAYERS
+                share = statistics.median(spent[2:])
+                layer_bytes = nbytes[name] * shape[0] * shape[1] / TOKEN_WEIGHTS
+                shares.append(f"{shape[0]}x{shape[1]} {1e6 * share / calls:.0f} us "
+                              f"({calls * layer_bytes / share / 1e9:.1f} GB/s)")
             print(f"rows {count:3d}  {name:12s} {1000 * median:8.2f} ms "
-                  f"({nbytes[name] / median / 1e9:5.1f} GB/s)", flush=True)
+                  f"({nbytes[name] / median / 1e9:5.1f} GB/s); a call: "
+                  + ", ".join(shares), flush=True)
 
 
 @contextlib.contextmanager
