@@ -46,7 +46,13 @@ import tempfile
 import time
 from typing import Any
 
-from vs_vllm import CONTAMINATED_CORES, LoadSampler, platform_line, process_cpu_seconds
+from vs_vllm import (
+    CONTAMINATED_CORES,
+    LoadSampler,
+    platform_line,
+    process_cpu_seconds,
+    process_tree,
+)
 
 #: Per shape: its transformers config class; hidden, intermediate, layers, query heads,
 #: key-value heads, vocabulary (each with its LM head tied to the embeddings).
@@ -126,15 +132,15 @@ class LiveChild:
         """One measurement; and the cores the rest of the machine used meanwhile,
         counting the ``idle`` children's (which are ours, so ``LoadSampler`` skips them)."""
         assert self.process.stdin is not None
-        before = _tree_seconds([child.process.pid for child in idle])
+        idle_pids = {child.process.pid for child in idle}
+        before = _tree_seconds(idle_pids)
         started = time.monotonic()
-        sampler = LoadSampler({child.process.pid for child in idle})
+        sampler = LoadSampler(set())
         self.process.stdin.write("measure\n")
         self.process.stdin.flush()
         result = json.loads(self._line("RESULT "))
         others = sampler.others_cores()
-        idle_cores = ((_tree_seconds([child.process.pid for child in idle]) - before)
-                      / (time.monotonic() - started))
+        idle_cores = (_tree_seconds(idle_pids) - before) / (time.monotonic() - started)
         return result, others + idle_cores
 
     def close(self) -> None:
@@ -147,17 +153,10 @@ class LiveChild:
             self.process.wait()
 
 
-def _tree_seconds(roots: list[int]) -> float:
+def _tree_seconds(roots: set[int]) -> float:
     """CPU seconds used so far by the processes ``roots`` and their descendants."""
     processes = process_cpu_seconds()
-    tree, changed = set(roots), True
-    while changed:
-        changed = False
-        for pid, (_, parent) in processes.items():
-            if parent in tree and pid not in tree:
-                tree.add(pid)
-                changed = True
-    return sum(processes[pid][0] for pid in tree if pid in processes)
+    return sum(processes[pid][0] for pid in process_tree(roots, processes))
 
 
 def measure(llm: Any, sampling_params: Any, load_s: float, batches: list[int],

@@ -94,6 +94,18 @@ def process_cpu_seconds() -> dict[int, tuple[float, int]]:
     return result
 
 
+def process_tree(roots: set[int], processes: dict[int, tuple[float, int]]) -> set[int]:
+    """``roots`` and their descendants among ``processes`` (``process_cpu_seconds``)."""
+    tree, changed = set(roots), True
+    while changed:
+        changed = False
+        for pid, (_, parent) in processes.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                changed = True
+    return tree
+
+
 class LoadSampler:
     """Samples every process's CPU time twice a second; ``others_cores()`` is the CPU the
     rest of the machine used while it ran, in cores. The benchmark's own process tree
@@ -109,15 +121,7 @@ class LoadSampler:
         self._thread.start()
 
     def _ours(self, processes: dict[int, tuple[float, int]]) -> set[int]:
-        ours = {os.getpid()}
-        changed = True
-        while changed:
-            changed = False
-            for pid, (_, parent) in processes.items():
-                if parent in ours and pid not in ours:
-                    ours.add(pid)
-                    changed = True
-        return ours
+        return process_tree({os.getpid()}, processes)
 
     def _sample(self) -> None:
         now = process_cpu_seconds()
