@@ -5,6 +5,7 @@ dies (SIGTERM under load: tests/test_tensor_parallel_faults.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -196,10 +197,10 @@ def _engine_processes(server_pid: int) -> list[psutil.Process]:
             if "triollm.engine.process.child" in " ".join(child.cmdline())]
 
 
-def _stream(url: str, prompt: list[int], events: list[str], started: threading.Barrier
-            ) -> None:
+def _stream(url: str, prompt: list[int], events: list[str], started: threading.Barrier,
+            max_tokens: int = 480) -> None:
     with httpx.stream("POST", url + "/v1/completions", json={
-            "model": "tiny", "prompt": prompt, "max_tokens": 480, "temperature": 0,
+            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -214,16 +215,26 @@ def _gone(pids: list[int]) -> bool:
 
 
 def test_a_killed_engine_process_ends_every_stream_with_an_error_and_the_server_non_zero(
-        llama_path: Path) -> None:
-    with server_process(str(llama_path), "--dtype", "float32", "--max-model-len", "512",
-                        "--num-gpu-blocks-override", "256", "--served-model-name", "tiny",
+        llama_path: Path, tmp_path: Path) -> None:
+    # The surviving engine's streams must still be running when the kill lands: each
+    # waits for every stream to begin, and under load the other engine's first tokens
+    # can come late, so they ask for 4000 tokens (the tiny Llama's rotary positions go
+    # past its config's 512; only the config says otherwise).
+    long_llama = tmp_path / "llama-4k"
+    shutil.copytree(llama_path, long_llama)
+    config = json.loads((long_llama / "config.json").read_text())
+    (long_llama / "config.json").write_text(json.dumps(
+        {**config, "max_position_embeddings": 4096}))
+    with server_process(str(long_llama), "--dtype", "float32", "--max-model-len", "4096",
+                        "--num-gpu-blocks-override", "1024", "--served-model-name", "tiny",
                         "--data-parallel-size", "2") as (process, url):
         engines = _engine_processes(process.pid)
         assert len(engines) == 2
         streams = [[] for _ in range(4)]  # type: list[list[str]]
         started = threading.Barrier(5)
         threads = [threading.Thread(target=_stream, args=(url, PROMPTS[i], streams[i],
-                                                          started)) for i in range(4)]
+                                                          started, 4000))
+                   for i in range(4)]
         for thread in threads:
             thread.start()
         started.wait(60)
