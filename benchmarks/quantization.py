@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import random
 import statistics
@@ -49,6 +48,7 @@ from typing import Any
 from vs_vllm import (
     CONTAMINATED_CORES,
     LoadSampler,
+    offline_env,
     platform_line,
     process_cpu_seconds,
     process_tree,
@@ -114,10 +114,8 @@ class LiveChild:
     that the modes' measurements can take turns within one run."""
 
     def __init__(self, command: list[str], what: str) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
         self.what = what
-        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE,
+        self.process = subprocess.Popen(command, env=offline_env(), stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
         self.load_s = float(self._line("READY "))
 

@@ -62,7 +62,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from vs_vllm import ANCHOR, CONTAMINATED_CORES, LoadSampler, free_port, platform_line
+from vs_vllm import (
+    ANCHOR,
+    CONTAMINATED_CORES,
+    LoadSampler,
+    free_port,
+    offline_env,
+    platform_line,
+)
 
 MODELS = ("demo", "0.5b")
 ENGINES = ("triollm", "vllm")
@@ -246,8 +253,7 @@ def command_for(engine: str, model: str, directory: Path, port: int,
 
 
 def env_for(engine: str, caches: Path, args: argparse.Namespace) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+    env = {**offline_env(), "PYTHONUNBUFFERED": "1",
            "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
            "XDG_CACHE_HOME": str(caches / "xdg")}
     if engine == "vllm":

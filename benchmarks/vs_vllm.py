@@ -142,12 +142,18 @@ class LoadSampler:
         return self._others / max(1e-9, time.monotonic() - self._start)
 
 
+def offline_env() -> dict[str, str]:
+    """This process's environment for a measuring child: no model hub, no tokenizer
+    threads of its own."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
 def run_child(command: list[str], what: str, neighbours: set[int] | None = None,
               engine_env: dict[str, str] | None = None) -> tuple[dict[str, Any], float]:
     """Run a benchmark's measuring process offline: the JSON of its last ``RESULT`` line,
     and how many cores the rest of the machine (but ``neighbours``) used meanwhile."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", **(engine_env or {})}
+    env = {**offline_env(), **(engine_env or {})}
     sampler = LoadSampler(neighbours or set())
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     others = sampler.others_cores()

@@ -197,10 +197,10 @@ def _engine_processes(server_pid: int) -> list[psutil.Process]:
             if "triollm.engine.process.child" in " ".join(child.cmdline())]
 
 
-def _stream(url: str, prompt: list[int], events: list[str], started: threading.Barrier,
-            max_tokens: int = 480) -> None:
+def _stream(url: str, prompt: list[int], events: list[str], started: threading.Barrier
+            ) -> None:
     with httpx.stream("POST", url + "/v1/completions", json={
-            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "model": "tiny", "prompt": prompt, "max_tokens": 4000, "temperature": 0,
             "stream": True, "ignore_eos": True}, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -233,8 +233,7 @@ def test_a_killed_engine_process_ends_every_stream_with_an_error_and_the_server_
         streams = [[] for _ in range(4)]  # type: list[list[str]]
         started = threading.Barrier(5)
         threads = [threading.Thread(target=_stream, args=(url, PROMPTS[i], streams[i],
-                                                          started, 4000))
-                   for i in range(4)]
+                                                          started)) for i in range(4)]
         for thread in threads:
             thread.start()
         started.wait(60)
