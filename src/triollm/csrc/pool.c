@@ -6,6 +6,11 @@
 #include <string.h>
 
 static _Atomic int64_t pool_jobs, pool_helper_units, pool_retaken_units;
+static _Thread_local int pool_spare_threads;
+
+void triollm_pool_set_spare_threads(int helpers) { pool_spare_threads = helpers; }
+
+int triollm_pool_spare_threads(void) { return pool_spare_threads; }
 
 void triollm_pool_statistics(int64_t* counts) {
     counts[0] = atomic_load(&pool_jobs);

@@ -40,6 +40,11 @@ void triollm_pool_run(pool_job* job, int helpers);
    helper reads memory that an earlier call pointed it at. Returns the helper count. */
 int triollm_pool_drain(void);
 
+/* The helpers the calling thread's kernels may use (0, the default: OpenMP), which
+   helpers.py's set_spare_threads sets here too for callers in C (kernel_ops.cpp). */
+void triollm_pool_set_spare_threads(int helpers);
+int triollm_pool_spare_threads(void);
+
 /* Jobs run with helpers, units helpers stored, units the caller took back from them. */
 void triollm_pool_statistics(int64_t* counts);
 

@@ -22,11 +22,13 @@ CPU runs.
   ``TRIOLLM_STRICT_KERNELS=1`` (the test suite sets it) each raises ``KernelBuildError``.
   A kernel the CPU lacks the instructions for is skipped silently.
 
-The kernels stay plain C behind ctypes rather than torch ops (``TORCH_LIBRARY``) built
-with torch.utils.cpp_extension: torch's headers make even a one-op extension take
-minutes to build on a 2-core machine, against about a second for a kernel here (figures
-in docs/benchmarks.md), and a build on first use runs again for every new compiler, CPU
-or torch version, on the engine's start.
+The kernels are plain C behind ctypes rather than torch ops built with
+torch.utils.cpp_extension: ATen's headers make even a one-op extension take minutes to
+build on a 2-core machine, against about a second for a kernel here, and a build on
+first use runs again for every new compiler, CPU or torch version, on the engine's
+start. Where a call's Python costs too much (a compiled model's quantized layers), a
+C++ op on torch's stable ABI, which builds in seconds, calls the same C functions
+(kernel_ops.py).
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ from triollm.model.cpu.private_cache import (
 )
 
 __all__ = ["CSRC", "FLAGS", "KERNELS", "KernelBuildError", "KernelSource", "build",
-           "cache_root", "compile_only", "cpu_flags", "cpu_signature", "load_checked",
-           "load_library", "load_pool", "pool_name", "strict", "trusted_cache_dir"]
+           "cache_key", "cache_root", "compile_only", "cpu_flags", "cpu_signature", "install",
+           "load_checked", "load_library", "load_pool", "pool_name", "run_compiler", "strict",
+           "trusted_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,18 +164,21 @@ def _openmp_link() -> list[str]:
     return ["-fopenmp"]
 
 
-def _run(command: list[str]) -> None:
-    """Runs the compiler; a warning it prints is logged, or raised in strict mode."""
+def run_compiler(command: list[str]) -> None:
+    """Runs a compiler; a warning it prints is logged, or raised in strict mode."""
     done = subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
     if done.stderr.strip():
         if strict():
             raise KernelBuildError(f"the compiler warned: {done.stderr.strip()[:2000]}")
-        logger.warning("the C compiler warned building a kernel: %s", done.stderr.strip()[:500])
+        logger.warning("the compiler warned building a kernel: %s", done.stderr.strip()[:500])
 
 
-def _key(*parts: str) -> str:
+def cache_key(*parts: str, compiler: str | None = None) -> str:
+    """A library's key: ``parts`` (its source, flags...), the headers, the compiler's
+    version (``compiler``, default the C one) and the CPU's signature."""
     headers = [path.read_text() for path in sorted(CSRC.glob("*.h"))]
-    text = "\0".join([*parts, *headers, _compiler_version(_compiler()), cpu_signature()])
+    version = _compiler_version(compiler or _compiler())
+    text = "\0".join([*parts, *headers, version, cpu_signature()])
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -205,7 +211,7 @@ def trusted_cache_dir(name: str = "kernels") -> Path:
     return _private_fallback(str(wanted), name)
 
 
-def _install(name: str, make: Callable[[Path], None]) -> Path:
+def install(name: str, make: Callable[[Path], None]) -> Path:
     """``name`` in the cache, made by ``make(path)`` in a private scratch directory
     (0700) beside it unless a trusted file is there already."""
     directory = trusted_cache_dir()
@@ -231,7 +237,7 @@ def _install(name: str, make: Callable[[Path], None]) -> Path:
 def pool_name() -> str:
     """The helper pool library's file name in the cache."""
     flags = [flag for flag in FLAGS if flag != "-fopenmp"]
-    return f"libtriollm_pool_{_key((CSRC / 'pool.c').read_text(), ' '.join(flags))}.so"
+    return f"libtriollm_pool_{cache_key((CSRC / 'pool.c').read_text(), ' '.join(flags))}.so"
 
 
 def _pool_path() -> Path:
@@ -239,9 +245,9 @@ def _pool_path() -> Path:
     name = pool_name()
 
     def make(built: Path) -> None:
-        _run([_compiler(), *flags, "-shared", f"-Wl,-soname,{name}", f"-I{CSRC}",
+        run_compiler([_compiler(), *flags, "-shared", f"-Wl,-soname,{name}", f"-I{CSRC}",
               str(CSRC / "pool.c"), "-o", str(built)])
-    return _install(name, make)
+    return install(name, make)
 
 
 def build(stem: str, flags: list[str] | None = None) -> Path:
@@ -252,14 +258,15 @@ def build(stem: str, flags: list[str] | None = None) -> Path:
     link = _openmp_link()
     pool = [str(_pool_path()), "-Wl,-rpath,$ORIGIN"] if kernel.pooled else []
     source = (CSRC / f"{stem}.c").read_text()
-    name = f"{stem}_{_key(source, ' '.join(flags), ' '.join(link), *pool[:1])}.so"
+    name = f"{stem}_{cache_key(source, ' '.join(flags), ' '.join(link), *pool[:1])}.so"
 
     def make(built: Path) -> None:
         objects = built.with_suffix(".o")
-        _run([_compiler(), *flags, f"-I{CSRC}", "-c", str(CSRC / f"{stem}.c"),
-              "-o", str(objects)])
-        _run([_compiler(), "-shared", str(objects), *pool, *link, "-lm", "-o", str(built)])
-    return _install(name, make)
+        run_compiler([_compiler(), *flags, f"-I{CSRC}", "-c", str(CSRC / f"{stem}.c"),
+                      "-o", str(objects)])
+        run_compiler([_compiler(), "-shared", str(objects), *pool, *link, "-lm", "-o",
+                      str(built)])
+    return install(name, make)
 
 
 def compile_only(stem: str, flags: list[str]) -> None:

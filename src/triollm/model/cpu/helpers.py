@@ -44,6 +44,8 @@ count.
 from __future__ import annotations
 
 import ctypes
+import logging
+import subprocess
 import threading
 from typing import Any
 
@@ -52,6 +54,8 @@ import torch
 from triollm.model.cpu.build import load_pool
 
 __all__ = ["PooledFunction", "drain_pools", "set_spare_threads", "spare_threads"]
+
+logger = logging.getLogger(__name__)
 
 _local = threading.local()
 #: The pool's ``triollm_pool_drain``, once a kernel that may use the pool has loaded.
@@ -71,6 +75,17 @@ def set_spare_threads(count: int) -> None:
     if count < 0:
         raise ValueError(f"spare thread count must be >= 0, got {count}")
     _local.count = count
+    # the pool's copy, which kernels called from C++ (kernel_ops.py) read: its default
+    # is 0 too, so a count of 0 builds no pool
+    if count or _pool_loaded():
+        try:
+            load_pool().triollm_pool_set_spare_threads(count)
+        except (OSError, subprocess.SubprocessError) as error:
+            logger.debug("no helper pool (%s): no pooled kernels either", error)
+
+
+def _pool_loaded() -> bool:
+    return load_pool.cache_info().currsize > 0
 
 
 def _use_pool() -> None:
@@ -97,6 +112,10 @@ class PooledFunction:
             function.argtypes = argtypes
             function.restype = restype
         _use_pool()
+
+    def entry_points(self) -> tuple[Any, Any]:
+        """The ctypes functions: the OpenMP one and its pooled twin."""
+        return self._plain, self._pooled
 
     def __call__(self, *args: Any) -> Any:
         helpers = spare_threads()

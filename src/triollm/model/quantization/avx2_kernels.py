@@ -50,7 +50,8 @@ class QuantizedGemm:
 
     def __init__(self, library: ctypes.CDLL, entry: str = "triollm_qgemm_avx2") -> None:
         self.entry = entry
-        self._product = PooledFunction(library, entry,
+        #: The C product, on OpenMP or the helper pool.
+        self.product = PooledFunction(library, entry,
                                        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
                                        + [ctypes.c_int], ctypes.c_int)
 
@@ -65,7 +66,7 @@ class QuantizedGemm:
             x = x.contiguous()
         rows = x.numel() // in_features
         out = x.new_empty((*x.shape[:-1], out_features))
-        if rows and not self._product(x.data_ptr(), weight.data_ptr(), scales.data_ptr(),
+        if rows and not self.product(x.data_ptr(), weight.data_ptr(), scales.data_ptr(),
                                       out.data_ptr(), rows, out_features, in_features,
                                       group_size):
             raise MemoryError(f"no memory for {self.entry}'s scratch inputs")

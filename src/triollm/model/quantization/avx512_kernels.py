@@ -80,9 +80,10 @@ class Avx512Gemm(QuantizedGemm):
         amx = "amx_bf16" in cpu_flags()
         self.dequantize_int4_from: int | None = DEQUANTIZE_INT4_FROM_ROWS if amx else None
         self.dequantize_int8_from: int | None = DEQUANTIZE_INT8_FROM_ROWS if amx else None
-        self._tiles = library.triollm_qgemm_amx
-        self._tiles.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int]
-        self._tiles.restype = None
+        #: The C product on AMX tiles (``triollm_qgemm_amx``).
+        self.tiles = library.triollm_qgemm_amx
+        self.tiles.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+        self.tiles.restype = None
         #: Rows from which a product whose inputs are a multiple of 32 wide runs on AMX
         #: tiles, a dequantized panel of 32 outputs at a time (None: never; the layer
         #: then takes the thresholds above).
@@ -107,7 +108,7 @@ class Avx512Gemm(QuantizedGemm):
             x2 = x2.contiguous()
             threads = torch.get_num_threads()
             panels = self._scratch_of(threads * 32 * in_features)
-            self._tiles(x2.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+            self.tiles(x2.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
                         panels.data_ptr(), rows, out_features, in_features, group_size,
                         threads)
             return out.view(*x.shape[:-1], out_features)

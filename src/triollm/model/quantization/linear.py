@@ -18,6 +18,7 @@ import weakref
 import torch
 from torch import nn
 
+from triollm.model.cpu.kernel_ops import unregister_linear
 from triollm.model.ops import define_op
 from triollm.model.quantization.avx2_kernels import avx2_kernel_for
 from triollm.model.quantization.avx512_kernels import avx512_kernel_for
@@ -25,7 +26,8 @@ from triollm.model.quantization.kernels import QuantizedKernel, kernel_for
 from triollm.model.quantization.vnni_kernels import vnni_kernel_for
 from triollm.model.quantization.weights import QuantizedWeight
 
-__all__ = ["QuantizedLinear", "quantized_linear", "quantized_or_plain", "register_kernel"]
+__all__ = ["QuantizedLinear", "quantized_linear", "quantized_or_plain", "register_kernel",
+           "registered_in_cpp"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +80,19 @@ def register_kernel(owner: object, kernel: QuantizedKernel, bias: torch.Tensor |
     ``bias``) for as long as ``owner`` lives."""
     handle = next(_handles)
     _registered[handle] = (kernel, bias)
-    weakref.finalize(owner, _registered.pop, handle, None)
+    weakref.finalize(owner, _forget, handle)
     return handle
+
+
+#: handles also registered with the C++ op (kernel_calls.py)
+registered_in_cpp: set[int] = set()
+
+
+def _forget(handle: int) -> None:
+    _registered.pop(handle, None)
+    if handle in registered_in_cpp:
+        registered_in_cpp.discard(handle)
+        unregister_linear(handle)
 
 
 def _quantized_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:

@@ -44,6 +44,7 @@ from triollm.model.cpu.packed_linear import (
 )
 from triollm.model.cpu.threads import ComputeThreads
 from triollm.model.quantization.grouping import fuse_quantized_calls, group_quantized_layers
+from triollm.model.quantization.kernel_calls import call_kernels_from_cpp
 from triollm.model.quantization.linear import QuantizedLinear
 from triollm.model.runners.batch import DecodeAttention, decode_groups, run_forward
 from triollm.model.runners.precompiled import PrecompiledDecoder, artifact_key, cache_directory
@@ -146,7 +147,8 @@ class CompileStopped(Exception):
 
 def _inductor_with_shared_input_calls_fused(stop: Callable[[], bool]) -> Any:
     """torch.compile's inductor backend, after fusing the calls of linear layers grouped
-    on one input (packed_linear.py); it gives up (``CompileStopped``) before inductor
+    on one input (packed_linear.py, grouping.py) and turning quantized layers' calls
+    into the C++ op's (kernel_calls.py); it gives up (``CompileStopped``) before inductor
     starts once ``stop()`` is true."""
     from torch._inductor.compile_fx import compile_fx
 
@@ -154,8 +156,10 @@ def _inductor_with_shared_input_calls_fused(stop: Callable[[], bool]) -> Any:
                 ) -> Any:
         if stop():
             raise CompileStopped
-        fused = fuse_shared_input_calls(graph_module.graph)
-        if fuse_quantized_calls(graph_module.graph) or fused:
+        graph = graph_module.graph
+        changed = fuse_shared_input_calls(graph)
+        changed += fuse_quantized_calls(graph)
+        if call_kernels_from_cpp(graph) + changed:
             graph_module.recompile()
         return compile_fx(graph_module, example_inputs)
     return backend

@@ -1,0 +1,153 @@
+"""``triollm::kernel_linear``: a compiled model's linear layers on the C kernels, called
+through a torch op written in C++ (``csrc/kernel_ops.cpp``) rather than Python.
+
+A torch op defined in Python (ops.py) costs the dispatcher, a Python function and a
+ctypes call: about 16 us a call besides the kernel, against about 2 us for an op whose
+kernel is C++. A decode token of a quantized Qwen2.5-0.5B makes 96 such calls in about
+19 ms, so this is a tenth of it (docs/benchmarks.md).
+
+The C++ is written against torch's stable ABI (``torch/csrc/stable``: C shims over
+torch's tensors and dispatcher, no ATen headers), which builds in about two seconds
+where a ``torch.utils.cpp_extension`` op takes minutes; it is built on first use with
+the machine's C++ compiler (``$CXX``, else ``c++``) into the kernel cache (build.py),
+keyed as the C kernels are and by torch's version, and loaded with
+``torch.ops.load_library``. Where it does not build (no C++ compiler, torch without the
+headers) a warning says so (strict mode: ``KernelBuildError``) and layers keep the
+Python op.
+
+A layer is registered under its handle with its packed tensors, its bias and the
+addresses of the C functions that multiply by them (its kernel library's, which ctypes
+loaded): the op's registry holds those tensors until ``unregister_linear``. The op
+runs the product on torch's OpenMP thread count, or on the helper pool where the
+calling thread may use helpers (helpers.py sets that in the pool's library too), or on
+AMX tiles from the layer's ``tiles_from`` rows (never with helpers), and adds the bias
+in bf16 as ``out + bias`` would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from triollm.model.cpu.build import (
+    CSRC,
+    KernelBuildError,
+    cache_key,
+    install,
+    load_pool,
+    run_compiler,
+    strict,
+)
+
+__all__ = ["NativeProducts", "kernel_linear_op", "load_kernel_ops", "register_linear",
+           "unregister_linear"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = CSRC / "kernel_ops.cpp"
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-Wall", "-Wextra"]
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _torch_dirs() -> tuple[Path, Path]:
+    root = Path(torch.__file__).resolve().parent
+    return root / "include", root / "lib"
+
+
+def _build() -> Path:
+    include, lib = _torch_dirs()
+    source = _SOURCE.read_text()
+    key = cache_key(source, " ".join(_FLAGS), torch.__version__, str(lib),
+                    compiler=_compiler())
+    name = f"kernel_ops_{key}.so"
+
+    def make(built: Path) -> None:
+        # torch's headers as system ones: their own warnings are not ours
+        run_compiler([_compiler(), *_FLAGS, "-isystem", str(include), str(_SOURCE),
+                      "-o", str(built), f"-L{lib}", "-ltorch_cpu", "-lc10",
+                      f"-Wl,-rpath,{lib}"])
+    return install(name, make)
+
+
+def _kernel_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@cache
+def load_kernel_ops() -> bool:
+    """Whether the C++ ops are loaded (built now unless cached); False, with a warning,
+    where they cannot be (strict mode: raises ``KernelBuildError``)."""
+    return _load()
+
+
+def _load() -> bool:
+    try:
+        torch.ops.load_library(str(_build()))
+        pool = load_pool()
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = (getattr(error, "stderr", "") or "").strip()[:500]
+        if strict():
+            raise KernelBuildError(f"building the C++ kernel ops failed: {error} {detail}"
+                                   ) from error
+        logger.warning("building the C++ kernel ops failed (%s: %s %s); compiled models "
+                       "call the C kernels through Python ops instead, slower",
+                       type(error).__name__, error, detail)
+        return False
+    torch.library.register_fake("triollm::kernel_linear")(_kernel_linear_fake)
+    torch.ops.triollm.set_kernel_pool(_address(pool.triollm_pool_spare_threads))
+    return True
+
+
+def _address(function: Any) -> int:
+    address = ctypes.cast(function, ctypes.c_void_p).value
+    if not address:
+        raise ValueError(f"{function} has no address")
+    return int(address)
+
+
+class NativeProducts:
+    """A kernel library's C functions for ``register_linear``: the product on OpenMP
+    threads and on the helper pool, and optionally on AMX tiles from ``tiles_from``
+    rows (ctypes functions; their addresses are what the op calls)."""
+
+    def __init__(self, product: Any, pooled: Any, tiles: Any | None = None,
+                 tiles_from: int | None = None) -> None:
+        self.product = _address(product)
+        self.pooled = _address(pooled)
+        self.tiles = 0 if tiles is None or tiles_from is None else _address(tiles)
+        self.tiles_from = tiles_from or 0
+
+
+def register_linear(handle: int, weight: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None, in_features: int, out_features: int,
+                    group_size: int, products: NativeProducts) -> bool:
+    """Let ``kernel_linear(x, handle, out_features)`` multiply by the weight packed in
+    ``weight`` and ``scales`` with ``products`` (and add the bf16 ``bias``); False where
+    the C++ ops are not loaded."""
+    if not load_kernel_ops():
+        return False
+    torch.ops.triollm.register_kernel_linear(
+        handle, weight, scales, bias, in_features, out_features, group_size,
+        products.product, products.pooled, products.tiles, products.tiles_from)
+    return True
+
+
+def unregister_linear(handle: int) -> None:
+    """Drop ``handle``'s layer (and the registry's references to its tensors)."""
+    if load_kernel_ops.cache_info().currsize and load_kernel_ops():
+        torch.ops.triollm.unregister_kernel_linear(handle)
+
+
+def kernel_linear_op() -> object:
+    """The op ``torch.ops.triollm.kernel_linear.default`` (the C++ ops must be loaded)."""
+    return torch.ops.triollm.kernel_linear.default
