@@ -92,6 +92,7 @@ def test_grouped_layers_are_one_cpp_call_with_the_same_outputs(bits: int) -> Non
 
 
 def test_the_registry_lets_go_of_a_layer_with_the_layer() -> None:
+    gc.collect()  # earlier tests' layers, which would go below
     before = torch.ops.triollm.kernel_linear_count() if kernel_ops.load_kernel_ops() else 0
     layer = _layer(16, 64, 4, bias=True)
     handle = layer.handle
@@ -115,6 +116,29 @@ def test_a_bad_call_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="shapes"):
         torch.ops.triollm.kernel_linear(torch.zeros(1, 64, dtype=torch.bfloat16),
                                         layer.handle, 32)
+
+
+def test_a_layout_that_does_not_fit_is_refused_at_registration() -> None:
+    layer = _layer(16, 64, 4, bias=False)
+    kernel = layer.kernel
+    products = kernel_calls._products(kernel)
+    assert products is not None
+    register = torch.ops.triollm.register_kernel_linear
+    good = (kernel.weight, kernel.scales, None, 64, 16, 32,  # type: ignore[attr-defined]
+            products.product, products.pooled, 0, 0)
+    assert register(-1, *good) is None
+    torch.ops.triollm.unregister_kernel_linear(-1)
+    for bad, match in (
+            ((kernel.weight.flatten()[:8], *good[1:]), "int4 layout"),  # too few weights
+            ((kernel.weight.float(), *good[1:]), "int4 layout"),
+            ((*good[:2], torch.zeros(8, dtype=torch.bfloat16), *good[3:]), "bias"),
+            ((*good[:3], 64, 24, *good[5:]), "multiple of 16"),
+            ((*good[:6], 0, *good[7:]), "products"),
+            ((*good[:5], 0, *good[6:]), "int8 layout")):
+        with pytest.raises(RuntimeError, match=match):
+            register(-1, *bad)
+    with pytest.raises(RuntimeError, match="no layer"):
+        torch.ops.triollm.kernel_linear(torch.zeros(1, 64, dtype=torch.bfloat16), -1, 16)
 
 
 def test_a_compiled_model_calls_the_cpp_op_and_decodes_as_with_the_python_op(
@@ -167,3 +191,11 @@ def test_without_a_cpp_compiler_layers_keep_the_python_op(
     with caplog.at_level(logging.WARNING):
         assert kernel_ops._load() is False
     assert "Python ops instead" in caplog.text
+    monkeypatch.setattr(kernel_ops, "load_kernel_ops", lambda: False)
+    layer = quantized_or_plain(quantize_weight(torch.randn(16, 64), 4, 32), None,
+                               torch.bfloat16)
+    assert isinstance(layer, QuantizedLinear)
+    graph = graph_of_calls(linear.quantized_linear, [0], [layer.handle])
+    assert kernel_calls.call_kernels_from_cpp(graph) == 0
+    assert [node.target for node in graph.nodes if node.op == "call_function"] == [
+        linear.quantized_linear]

@@ -142,12 +142,34 @@ void register_kernel_linear(int64_t handle, Tensor weight, Tensor scales,
                             std::optional<Tensor> bias, int64_t in_features,
                             int64_t out_features, int64_t group_size, int64_t product,
                             int64_t pooled, int64_t tiles, int64_t tiles_from) {
-    STD_TORCH_CHECK(weight.is_contiguous() && scales.is_contiguous(),
-                    "triollm::register_kernel_linear: packed tensors must be contiguous");
-    if (bias.has_value())
-        STD_TORCH_CHECK(bias->is_contiguous() && bias->numel() == out_features
+    using torch::headeronly::ScalarType;
+    const int64_t n = out_features, k = in_features;
+    STD_TORCH_CHECK(n > 0 && n % 16 == 0 && k > 0 && k % 8 == 0 && group_size >= 0
+                    && product != 0 && pooled != 0 && (tiles == 0 || tiles_from > 0),
+                    "triollm::register_kernel_linear: out_features must be a multiple of "
+                    "16, in_features of 8, and the products given");
+    STD_TORCH_CHECK(weight.is_cpu() && scales.is_cpu() && weight.is_contiguous()
+                    && scales.is_contiguous(),
+                    "triollm::register_kernel_linear: packed tensors must be contiguous, "
+                    "on the CPU");
+    if (group_size > 0) {  /* int4: words of 8 nibbles; a scale and a zero term per group */
+        STD_TORCH_CHECK(group_size % 8 == 0 && k % group_size == 0
+                        && weight.scalar_type() == ScalarType::Int
+                        && weight.numel() == n * k / 8
+                        && scales.scalar_type() == ScalarType::Half
+                        && scales.numel() == n * (k / group_size) * 2,
+                        "triollm::register_kernel_linear: not an int4 layout of ", n, "x", k,
+                        " in groups of ", group_size);
+    } else {  /* int8: signed bytes, a fp32 scale per output */
+        STD_TORCH_CHECK(weight.scalar_type() == ScalarType::Char && weight.numel() == n * k
+                        && scales.scalar_type() == ScalarType::Float && scales.numel() == n,
+                        "triollm::register_kernel_linear: not an int8 layout of ", n, "x", k);
+    }
+    if (bias.has_value()) {
+        STD_TORCH_CHECK(bias->is_cpu() && bias->is_contiguous() && bias->numel() == n
                         && bias->scalar_type() == torch::headeronly::ScalarType::BFloat16,
                         "triollm::register_kernel_linear: a bias is out_features bf16");
+    }
     auto layer = std::make_shared<const Layer>(Layer{
         weight, scales, bias, in_features, out_features, group_size,
         reinterpret_cast<Product>(product), reinterpret_cast<Product>(pooled),
@@ -167,6 +189,7 @@ int64_t kernel_linear_count() {
 }
 
 void set_kernel_pool(int64_t spare) {
+    STD_TORCH_CHECK(spare != 0, "triollm::set_kernel_pool: no function given");
     spare_threads.store(reinterpret_cast<int (*)(void)>(spare));
 }
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from triollm.model.cpu.build import load_pool
+from triollm.model.cpu.build import KernelBuildError, load_pool
 
 __all__ = ["PooledFunction", "drain_pools", "set_spare_threads", "spare_threads"]
 
@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 _local = threading.local()
 #: The pool's ``triollm_pool_drain``, once a kernel that may use the pool has loaded.
 _drain: Any = None
+#: The pool failed to build (no C compiler): its spare-thread count is not set.
+_no_pool = False
 
 
 def spare_threads() -> int:
@@ -76,16 +78,15 @@ def set_spare_threads(count: int) -> None:
         raise ValueError(f"spare thread count must be >= 0, got {count}")
     _local.count = count
     # the pool's copy, which kernels called from C++ (kernel_ops.py) read: its default
-    # is 0 too, so a count of 0 builds no pool
-    if count or _pool_loaded():
+    # is 0 too, so a count of 0 needs no pool (any C kernel has built it already)
+    global _no_pool
+    if (count or load_pool.cache_info().currsize) and not _no_pool:
         try:
             load_pool().triollm_pool_set_spare_threads(count)
-        except (OSError, subprocess.SubprocessError) as error:
-            logger.debug("no helper pool (%s): no pooled kernels either", error)
-
-
-def _pool_loaded() -> bool:
-    return load_pool.cache_info().currsize > 0
+        except (OSError, subprocess.SubprocessError, KernelBuildError) as error:
+            _no_pool = True  # nor any pooled kernel, then: not tried again
+            logger.warning("the helper pool did not build (%s); kernels compute on one "
+                           "thread", error)
 
 
 def _use_pool() -> None:

@@ -52,6 +52,9 @@ __all__ = ["NativeProducts", "kernel_linear_op", "load_kernel_ops", "register_li
 logger = logging.getLogger(__name__)
 
 _SOURCE = CSRC / "kernel_ops.cpp"
+#: The first torch release whose stable ABI has every op kernel_ops.cpp calls
+#: (``get_num_threads``, ``contiguous``, ``new_empty``).
+_STABLE_OPS_FROM = (2, 10)
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-Wall", "-Wextra"]
 
 
@@ -79,6 +82,11 @@ def _build() -> Path:
     return install(name, make)
 
 
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def _kernel_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
@@ -91,6 +99,10 @@ def load_kernel_ops() -> bool:
 
 
 def _load() -> bool:
+    if _torch_release() < _STABLE_OPS_FROM:
+        logger.info("torch %s predates the stable ABI's ops kernel_ops.cpp uses (2.10): "
+                    "compiled models call the C kernels through Python ops", torch.__version__)
+        return False
     try:
         torch.ops.load_library(str(_build()))
         pool = load_pool()

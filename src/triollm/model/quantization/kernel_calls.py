@@ -8,13 +8,18 @@ C++ op computes exactly as the Python op would is registered with the op (its pa
 tensors as they are now, grouped or not) and calls it instead. That is a layer on the
 AVX2, AVX-512 or VNNI kernel, its columns in order, on a CPU where the Python op would
 take the same kernel at every row count: with AMX, inputs a multiple of 32 wide (which
-go to the AMX tiles from ``tiles_from`` rows rather than to torch's ``linear``).
+go to the AMX tiles from ``tiles_from`` rows rather than to torch's ``linear``). The row
+threshold is the kernel's when the graph is compiled: tests that move it call layers
+eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from triollm.model.cpu.build import KernelBuildError
 from triollm.model.cpu.kernel_ops import NativeProducts, kernel_linear_op, register_linear
 from triollm.model.quantization.avx2_kernels import Avx2Int4Kernel, Avx2Int8Kernel
 from triollm.model.quantization.avx512_kernels import Avx512Gemm
@@ -22,6 +27,8 @@ from triollm.model.quantization.kernels import QuantizedKernel
 from triollm.model.quantization.linear import _registered, quantized_linear, registered_in_cpp
 
 __all__ = ["call_kernels_from_cpp"]
+
+logger = logging.getLogger(__name__)
 
 
 def _in_features(kernel: Avx2Int4Kernel | Avx2Int8Kernel) -> int:
@@ -62,8 +69,16 @@ def _registers(handle: int) -> bool:
         return False
     assert isinstance(kernel, Avx2Int4Kernel | Avx2Int8Kernel)
     group_size = kernel.group_size if isinstance(kernel, Avx2Int4Kernel) else 0
-    if not register_linear(handle, kernel.weight, kernel.scales, bias,
-                           _in_features(kernel), kernel.out_features, group_size, products):
+    try:
+        if not register_linear(handle, kernel.weight, kernel.scales, bias,
+                               _in_features(kernel), kernel.out_features, group_size,
+                               products):
+            return False
+    except KernelBuildError:
+        raise
+    except RuntimeError as error:  # the op refused the layer: it keeps the Python op
+        logger.warning("a quantized layer of shape (%d, %d) stays on the Python op: %s",
+                       kernel.out_features, _in_features(kernel), error)
         return False
     registered_in_cpp.add(handle)
     return True
