@@ -174,3 +174,14 @@ def assert_grouping_keeps_outputs(config: Any, steps: int, grouped: tuple[list[i
     assert len(plain[0]) == (7 * layers + len(head)) * steps
     assert grouped[1].token_ids == plain[1].token_ids
     assert grouped[1].logprobs == plain[1].logprobs
+
+
+def bf16_compiled_llm(path: Path, **kwargs: Any) -> Any:
+    """The tiny model at ``path`` in bf16, compiled (-O2) on one thread, as the tests of a
+    compiled forward's linear-layer calls run it; ``kwargs``: more ``LLM`` arguments."""
+    from triollm import LLM
+
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=256,
+              optimization_level=2, cpu_threads=1, **kwargs)
+    assert llm.engine.runner.compiled, "the model should have compiled"
+    return llm

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import assert_grouping_keeps_outputs, graph_of_calls
+from helpers import assert_grouping_keeps_outputs, bf16_compiled_llm, graph_of_calls
 from test_greedy_matches_transformers import MAX_TOKENS, PROMPTS, reference
 from triollm import LLM, SamplingParams
 from triollm.engine import args as engine_args
@@ -127,13 +127,6 @@ def test_a_model_s_packed_layers_are_numbered_from_zero_on_one_registry(llama_pa
     assert {id(layer.weights) for layer in layers} == {id(layers[0].weights)}
 
 
-def _bf16_compiled_llm(path: Path) -> LLM:
-    llm = LLM(str(path), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=256,
-              optimization_level=2, cpu_threads=1)
-    assert llm.engine.runner.compiled, "the model should have compiled"
-    return llm
-
-
 def test_layers_on_one_input_are_one_call_with_the_same_outputs(
         llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiled bf16 Llama multiplies q, k and v in one call and gate and up in
@@ -156,7 +149,7 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
         with monkeypatch.context() as patch:
             if not grouped:
                 patch.setattr(runner_compile, "group_weights_of_shared_inputs", lambda calls: 0)
-            llm = _bf16_compiled_llm(llama_path)
+            llm = bf16_compiled_llm(llama_path)
             calls.clear()
             outputs = llm.generate(PROMPTS[:1], params, use_tqdm=False)
             results[grouped] = (list(calls), outputs[0].outputs[0])

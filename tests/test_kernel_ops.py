@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import graph_of_calls
+from helpers import bf16_compiled_llm, graph_of_calls
 from test_greedy_matches_transformers import PROMPTS
-from triollm import LLM, SamplingParams
+from triollm import SamplingParams
 from triollm.model.cpu import kernel_ops
 from triollm.model.cpu.build import KernelBuildError, load_pool
 from triollm.model.cpu.helpers import set_spare_threads
@@ -158,10 +158,7 @@ def test_a_compiled_model_calls_the_cpp_op_and_decodes_as_with_the_python_op(
         with monkeypatch.context() as patch:
             if not cpp:
                 patch.setattr(runner_compile, "call_kernels_from_cpp", lambda graph: 0)
-            llm = LLM(str(llama_path), dtype="bfloat16", max_model_len=128,
-                      num_gpu_blocks_override=256, optimization_level=2, cpu_threads=1,
-                      quantization="int4")
-            assert llm.engine.runner.compiled, "the model should have compiled"
+            llm = bf16_compiled_llm(llama_path, quantization="int4")
             layers = [module for module in llm.engine.runner.model.get_decoder().modules()
                       if isinstance(module, QuantizedLinear)]
             if not all(kernel_calls._products(layer.kernel) for layer in layers):

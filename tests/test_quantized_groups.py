@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_grouping_keeps_outputs, graph_of_calls
+from helpers import assert_grouping_keeps_outputs, bf16_compiled_llm, graph_of_calls
 from test_greedy_matches_transformers import PROMPTS
-from triollm import LLM, SamplingParams
+from triollm import SamplingParams
 from triollm.model.quantization import grouping, linear
 from triollm.model.quantization.avx2_kernels import Avx2Int4Kernel, Avx2Int8Kernel
 from triollm.model.quantization.linear import QuantizedLinear, quantized_or_plain
@@ -56,10 +56,7 @@ def test_layers_on_one_input_are_one_call_with_the_same_outputs(
         with monkeypatch.context() as patch:
             if not grouped:
                 patch.setattr(runner_compile, "group_quantized_layers", lambda calls: 0)
-            llm = LLM(str(llama_path), dtype="bfloat16", max_model_len=128,
-                      num_gpu_blocks_override=256, optimization_level=2, cpu_threads=1,
-                      quantization=f"int{bits}")
-            assert llm.engine.runner.compiled, "the model should have compiled"
+            llm = bf16_compiled_llm(llama_path, quantization=f"int{bits}")
             decoder = llm.engine.runner.model.get_decoder()
             # compiled ahead of time, without guards, and not saved (handles are ours)
             assert isinstance(decoder._compiled_call_impl, PrecompiledDecoder)
