@@ -57,9 +57,9 @@ from triollm.model.cpu.private_cache import (
 )
 
 __all__ = ["CSRC", "FLAGS", "KERNELS", "KernelBuildError", "KernelSource", "build",
-           "cache_key", "cache_root", "compile_only", "cpu_flags", "cpu_signature", "install",
-           "load_checked", "load_library", "load_pool", "pool_name", "run_compiler", "strict",
-           "trusted_cache_dir"]
+           "build_failed", "cache_key", "cache_root", "compile_only", "cpu_flags",
+           "cpu_signature", "install", "load_checked", "load_library", "load_pool",
+           "pool_name", "run_compiler", "strict", "trusted_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -292,12 +292,19 @@ def load_library(stem: str, what: str, fallback: str) -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(build(stem)))
     except (OSError, subprocess.SubprocessError) as error:
-        detail = (getattr(error, "stderr", "") or "").strip()[:500]
-        if strict():
-            raise KernelBuildError(f"building the {what} failed: {error} {detail}") from error
-        logger.warning("building the %s failed (%s: %s %s); %s runs instead, slower",
-                       what, type(error).__name__, error, detail, fallback)
+        build_failed(what, fallback, error)
         return None
+
+
+def build_failed(what: str, fallback: str, error: OSError | subprocess.SubprocessError
+                 ) -> None:
+    """Report that building ``what`` failed with ``error``: ``KernelBuildError`` in strict
+    mode, else a warning that ``fallback`` runs instead."""
+    detail = (getattr(error, "stderr", "") or "").strip()[:500]
+    if strict():
+        raise KernelBuildError(f"building the {what} failed: {error} {detail}") from error
+    logger.warning("building the %s failed (%s: %s %s); %s runs instead, slower",
+                   what, type(error).__name__, error, detail, fallback)
 
 
 def load_checked(stem: str, what: str, wrap: Callable[[ctypes.CDLL], Kernel],

@@ -38,12 +38,11 @@ import torch
 
 from triollm.model.cpu.build import (
     CSRC,
-    KernelBuildError,
+    build_failed,
     cache_key,
     install,
     load_pool,
     run_compiler,
-    strict,
 )
 
 __all__ = ["NativeProducts", "kernel_linear_op", "load_kernel_ops", "register_linear",
@@ -107,13 +106,7 @@ def _load() -> bool:
         torch.ops.load_library(str(_build()))
         pool = load_pool()
     except (OSError, subprocess.SubprocessError) as error:
-        detail = (getattr(error, "stderr", "") or "").strip()[:500]
-        if strict():
-            raise KernelBuildError(f"building the C++ kernel ops failed: {error} {detail}"
-                                   ) from error
-        logger.warning("building the C++ kernel ops failed (%s: %s %s); compiled models "
-                       "call the C kernels through Python ops instead, slower",
-                       type(error).__name__, error, detail)
+        build_failed("C++ kernel ops", "each compiled quantized layer's Python op", error)
         return False
     torch.library.register_fake("triollm::kernel_linear")(_kernel_linear_fake)
     torch.ops.triollm.set_kernel_pool(_address(pool.triollm_pool_spare_threads))
