@@ -157,6 +157,28 @@ def test_helpers_give_the_bits_of_openmp(native: Native, rows: int, bits: int, b
     assert torch.equal(got, expected)
 
 
+@each_native
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(2, 12), bits=st.sampled_from([4, 8]),
+       group_size=st.sampled_from([8, 16, 64, 128]), groups=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_a_rows_product_is_the_same_alone_and_in_a_batch(native: Native, rows: int,
+                                                         bits: int, group_size: int,
+                                                         groups: int, seed: int) -> None:
+    """Bit for bit, on the kernel's own path (one row takes a loop of its own in the VNNI
+    kernel; greedy decoding must not depend on what else is in the batch)."""
+    width = group_size * groups
+    weight = _weight(bits, 32, width, group_size if bits == 4 else -1, False, seed)
+    kernel = native.build(bits, weight)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    gemm = native.gemm()
+    with (_row_thresholds(gemm, dequantize=None, tiles=None)
+          if isinstance(gemm, avx512_kernels.Avx512Gemm) else contextlib.nullcontext()):
+        batch = kernel(x)
+        for row in range(rows):
+            assert torch.equal(kernel(x[row:row + 1]), batch[row:row + 1])
+
+
 def test_bf16_layers_run_on_the_best_and_float32_ones_on_torchs_kernels() -> None:
     native = _best_native()
     for bits, group_size in ((4, 128), (4, -1), (8, -1)):

@@ -23,7 +23,9 @@
      4 bytes per output (vpermb) and offset by 128 into an unsigned byte; its zero
      term is 128 s.
 
-   A unit of work is one block of 16 outputs for up to 16 rows, 4 at a time. Weights
+   A unit of work is one block of 16 outputs for up to 16 rows, 4 at a time (int4 at
+   one row: two octets at a time on two sets of accumulators, whose integer sums add up
+   to the same bits, since one set's chain of vpdpbusd waits on its latency). Weights
    are prefetched AHEAD bytes ahead: at a byte or half a byte a weight the loop runs
    well ahead of memory, which a nearer prefetch left waiting (one decode token of a
    0.5B model's layers, docs/benchmarks.md). */
@@ -172,7 +174,33 @@ static inline __attribute__((always_inline)) void q4_tile(
     for (int64_t b = 0; b < blocks; b++) {
         __m512i acc[CHUNK][4];
         zero_accumulators(acc, rows);
-        for (int64_t o = b * octets; o < (b + 1) * octets; o++) {
+        int64_t o = b * octets;
+        if (rows == 1) {  /* a second set of chains for every other octet: one row's 4
+                             chains alone wait on vpdpbusd's latency */
+            __m512i* odd_acc = acc[1];
+            for (int c = 0; c < 4; c++) odd_acc[c] = _mm512_setzero_si512();
+            for (; o + 1 < (b + 1) * octets; o += 2) {
+                const __m512i v0 = _mm512_loadu_si512(w + 16 * o);
+                const __m512i v1 = _mm512_loadu_si512(w + 16 * o + 16);
+                _mm_prefetch((const char*)(w + 16 * o) + AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char*)(w + 16 * o) + AHEAD + 64, _MM_HINT_T0);
+                const __m512i even0 = _mm512_and_si512(v0, nibbles);
+                const __m512i odd0 = _mm512_and_si512(_mm512_srli_epi32(v0, 4), nibbles);
+                const __m512i even1 = _mm512_and_si512(v1, nibbles);
+                const __m512i odd1 = _mm512_and_si512(_mm512_srli_epi32(v1, 4), nibbles);
+                const int8_t* q = xq + 16 * o;
+                acc[0][0] = dot(acc[0][0], even0, q);
+                acc[0][1] = dot(acc[0][1], odd0, q + 4);
+                acc[0][2] = dot(acc[0][2], even0, q + 8);
+                acc[0][3] = dot(acc[0][3], odd0, q + 12);
+                odd_acc[0] = dot(odd_acc[0], even1, q + 16);
+                odd_acc[1] = dot(odd_acc[1], odd1, q + 20);
+                odd_acc[2] = dot(odd_acc[2], even1, q + 24);
+                odd_acc[3] = dot(odd_acc[3], odd1, q + 28);
+            }
+            for (int c = 0; c < 4; c++) acc[0][c] = _mm512_add_epi32(acc[0][c], odd_acc[c]);
+        }
+        for (; o < (b + 1) * octets; o++) {
             const __m512i v = _mm512_loadu_si512(w + 16 * o);
             _mm_prefetch((const char*)(w + 16 * o) + AHEAD, _MM_HINT_T0);
             const __m512i even = _mm512_and_si512(v, nibbles);
