@@ -1,16 +1,21 @@
-/* triollm::kernel_linear: a compiled model's call of a linear layer on one of the C
-   kernels (the quantized int4/int8 products), as a C++ torch op on torch's stable ABI,
-   so that a call costs the dispatcher's couple of microseconds rather than a Python
-   function's and ctypes' (model/cpu/kernel_ops.py tells the design).
+/* C++ torch ops over triollm's C kernels, on torch's stable ABI, so that a compiled
+   model's call costs the dispatcher's couple of microseconds rather than a Python
+   function's and ctypes' (model/cpu/kernel_ops.py tells the design):
 
-   A layer is registered under its handle with its packed tensors (the registry holds a
-   reference until the layer is unregistered) and the C functions that multiply by them,
-   passed as addresses from the kernel libraries ctypes loaded. */
+   - triollm::kernel_linear: a linear layer on one of the quantized int4/int8 products.
+     A layer is registered under its handle with its packed tensors (the registry holds
+     a reference until the layer is unregistered) and the C functions that multiply by
+     them, passed as addresses from the kernel libraries ctypes loaded.
+   - triollm::decode_attention: triollm::paged_attention's call, run by the C decode
+     kernel's one-call step (csrc/decode.c) when the calling thread is inside a step of
+     decodes begun with begin_decode_step, else handed to triollm::paged_attention. */
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -193,6 +198,139 @@ void set_kernel_pool(int64_t spare) {
     spare_threads.store(reinterpret_cast<int (*)(void)>(spare));
 }
 
+
+/* triollm_decode_step (csrc/decode.c): the step's keys and values written into a layer's
+   caches at their slots, then its queries over their sequences; last argument: OpenMP
+   threads (plain) or pool helpers (pooled). Returns nonzero where memory ran out. */
+using DecodeStep = int (*)(const void*, int64_t, int64_t, const void*, int64_t, int64_t,
+                           const void*, int64_t, int64_t, void*, int64_t, int64_t,
+                           const int64_t*, void*, void*, const int64_t*, const int64_t*,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           float, int64_t, float, int, int, int);
+
+/* A step of decodes only, as begin_decode_step gave it: every layer's caches, the
+   step's slots, block tables and context lengths, and the kernel's entry points. */
+struct DecodeStepState {
+    std::vector<Tensor> keys;
+    std::vector<Tensor> values;
+    Tensor slots;
+    Tensor tables;
+    Tensor lengths;
+    DecodeStep plain;
+    DecodeStep pooled;
+};
+thread_local std::unique_ptr<DecodeStepState> decode_step_state;
+
+/* The C kernel's code for a cache element type, or -1 for one it does not read. */
+int cache_kind(torch::headeronly::ScalarType type) {
+    using torch::headeronly::ScalarType;
+    switch (type) {
+    case ScalarType::Float: return 0;
+    case ScalarType::BFloat16: return 1;
+    case ScalarType::Float8_e5m2: return 2;
+    case ScalarType::Float8_e4m3fn: return 3;
+    default: return -1;
+    }
+}
+
+bool int64_vector(const Tensor& t) {
+    return t.is_cpu() && t.dim() >= 1 && t.is_contiguous()
+           && t.scalar_type() == torch::headeronly::ScalarType::Long;
+}
+
+/* Whether the calls of this thread's step run on the decode kernel from now until
+   end_decode_step: not where the step's tensors are not laid out as it reads them. */
+bool begin_decode_step(std::vector<Tensor> keys, std::vector<Tensor> values, Tensor slots,
+                       Tensor tables, Tensor lengths, int64_t plain, int64_t pooled) {
+    STD_TORCH_CHECK(plain != 0 && pooled != 0,
+                    "triollm::begin_decode_step: the kernel's entry points are missing");
+    decode_step_state.reset();
+    if (keys.size() != values.size() || !int64_vector(slots) || !int64_vector(tables)
+        || !int64_vector(lengths) || tables.dim() != 2 || slots.numel() != tables.size(0)
+        || lengths.numel() != tables.size(0))
+        return false;
+    for (size_t i = 0; i < keys.size(); i++) {
+        const Tensor& k = keys[i];
+        const Tensor& v = values[i];
+        if (!(k.is_cpu() && v.is_cpu() && k.is_contiguous() && v.is_contiguous()
+              && k.dim() == 4 && v.dim() == 4 && cache_kind(k.scalar_type()) >= 0
+              && v.scalar_type() == k.scalar_type()
+              && std::equal(k.sizes().begin(), k.sizes().end(), v.sizes().begin())))
+            return false;
+    }
+    decode_step_state = std::make_unique<DecodeStepState>(DecodeStepState{
+        std::move(keys), std::move(values), std::move(slots), std::move(tables),
+        std::move(lengths), reinterpret_cast<DecodeStep>(plain),
+        reinterpret_cast<DecodeStep>(pooled)});
+    return true;
+}
+
+void end_decode_step() { decode_step_state.reset(); }
+
+/* Whether the step's kernel takes this call (else triollm::paged_attention does):
+   queries [Hq, rows, D] and keys and values [Hkv, rows, D] in fp32 or bf16 with a
+   contiguous last dimension, over caches of the same type or of 8 bits. */
+bool step_takes(const DecodeStepState& step, const Tensor& q, const Tensor& k,
+                const Tensor& v, int64_t layer) {
+    using torch::headeronly::ScalarType;
+    if (layer < 0 || layer >= (int64_t)step.keys.size()) return false;
+    const Tensor& cache = step.keys[layer];
+    const ScalarType type = q.scalar_type();
+    if (!(type == ScalarType::Float || type == ScalarType::BFloat16)
+        || k.scalar_type() != type || v.scalar_type() != type
+        || !(cache.scalar_type() == type || cache.element_size() == 1))
+        return false;
+    if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || !q.is_cpu() || !k.is_cpu()
+        || !v.is_cpu() || q.stride(2) != 1 || k.stride(2) != 1 || v.stride(2) != 1)
+        return false;
+    const int64_t rows = step.tables.size(0), kv_heads = cache.size(0), dim = cache.size(3);
+    return q.size(1) == rows && k.size(1) == rows && v.size(1) == rows && q.size(2) == dim
+           && k.size(2) == dim && v.size(2) == dim && k.size(0) == kv_heads
+           && v.size(0) == kv_heads && q.size(0) % kv_heads == 0 && q.size(0) > 0;
+}
+
+Tensor paged_attention_in_python(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 int64_t layer, double scale,
+                                 std::optional<int64_t> sliding_window,
+                                 std::optional<double> softcap) {
+    std::array<StableIValue, 7> stack{
+        torch::stable::detail::from(q), torch::stable::detail::from(k),
+        torch::stable::detail::from(v), torch::stable::detail::from(layer),
+        torch::stable::detail::from(scale), torch::stable::detail::from(sliding_window),
+        torch::stable::detail::from(softcap)};
+    STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(
+        "triollm::paged_attention", "", stack.data(), TORCH_ABI_VERSION));
+    return torch::stable::detail::to<Tensor>(stack[0]);
+}
+
+Tensor decode_attention(Tensor q, Tensor k, Tensor v, int64_t layer, double scale,
+                        std::optional<int64_t> sliding_window,
+                        std::optional<double> softcap) {
+    const DecodeStepState* step = decode_step_state.get();
+    if (step == nullptr || !step_takes(*step, q, k, v, layer))
+        return paged_attention_in_python(q, k, v, layer, scale, sliding_window, softcap);
+    const Tensor& keys = step->keys[layer];
+    const Tensor& values = step->values[layer];
+    Tensor out = torch::stable::empty_like(q);  /* q's strides: its last dim contiguous */
+    int (*spare)(void) = spare_threads.load(std::memory_order_relaxed);
+    const int helpers = spare != nullptr ? spare() : 0;
+    const int bf16 = q.scalar_type() == torch::headeronly::ScalarType::BFloat16;
+    const int failed = (helpers ? step->pooled : step->plain)(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+        static_cast<const int64_t*>(step->slots.data_ptr()), keys.data_ptr(),
+        values.data_ptr(), static_cast<const int64_t*>(step->tables.data_ptr()),
+        static_cast<const int64_t*>(step->lengths.data_ptr()), q.size(1), q.size(0),
+        keys.size(0), keys.size(1), keys.size(2), keys.size(3), step->tables.size(1),
+        (float)scale, sliding_window.value_or(0), (float)softcap.value_or(0.0), bf16,
+        cache_kind(keys.scalar_type()),
+        helpers ? helpers : (int)torch::stable::get_num_threads());
+    STD_TORCH_CHECK(!failed, "triollm::decode_attention: no memory for the kernel's scratch");
+    return out;
+}
+
+bool decode_step_begun() { return decode_step_state != nullptr; }
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(triollm, m) {
@@ -203,6 +341,12 @@ STABLE_TORCH_LIBRARY_FRAGMENT(triollm, m) {
     m.def("unregister_kernel_linear(int handle) -> ()");
     m.def("kernel_linear_count() -> int");
     m.def("set_kernel_pool(int spare_threads) -> ()");
+    m.def("decode_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, "
+          "int? sliding_window, float? softcap) -> Tensor");
+    m.def("begin_decode_step(Tensor[] keys, Tensor[] values, Tensor slots, Tensor tables, "
+          "Tensor lengths, int plain, int pooled) -> bool");
+    m.def("end_decode_step() -> ()");
+    m.def("decode_step_begun() -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(triollm, CPU, m) {
@@ -214,4 +358,8 @@ STABLE_TORCH_LIBRARY_IMPL(triollm, CompositeExplicitAutograd, m) {
     m.impl("unregister_kernel_linear", TORCH_BOX(&unregister_kernel_linear));
     m.impl("kernel_linear_count", TORCH_BOX(&kernel_linear_count));
     m.impl("set_kernel_pool", TORCH_BOX(&set_kernel_pool));
+    m.impl("decode_attention", TORCH_BOX(&decode_attention));
+    m.impl("begin_decode_step", TORCH_BOX(&begin_decode_step));
+    m.impl("end_decode_step", TORCH_BOX(&end_decode_step));
+    m.impl("decode_step_begun", TORCH_BOX(&decode_step_begun));
 }

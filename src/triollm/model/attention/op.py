@@ -3,6 +3,13 @@
 ``torch.compile`` traces the model's modules, not the step's Python metadata, so a
 compiled model calls this op with the layer's index in the KV cache; the op finds the
 metadata in ``forward_metadata``, set on the model thread for the length of the forward.
+
+Where the C++ ops load (cpu/kernel_ops.py), a compiled graph calls
+``triollm::decode_attention`` instead (``call_attention_from_cpp``), and
+``forward_metadata`` begins a step of decodes only in it whenever the step is one the C
+decode kernel takes in one call per layer (the same steps ``write_and_attend`` gives
+it): each layer's call then costs the kernel and the dispatcher, not a Python function
+and ctypes. Any other step's calls reach this op through the C++ one.
 """
 
 from __future__ import annotations
@@ -15,22 +22,66 @@ import torch
 
 from triollm.model.attention.compute import write_and_attend
 from triollm.model.attention.metadata import PagedAttentionMetadata
+from triollm.model.cpu.decode import CpuDecodeKernel
+from triollm.model.cpu.kernel_ops import (
+    begin_decode_step,
+    decode_attention_op,
+    end_decode_step,
+    load_kernel_ops,
+)
 from triollm.model.ops import define_op
 
-__all__ = ["forward_metadata", "in_compiled_forward", "paged_attention"]
+__all__ = ["call_attention_from_cpp", "forward_metadata", "in_compiled_forward",
+           "paged_attention"]
 
 _forward = threading.local()
+#: Whether a compiled graph calls the C++ op (else no step need begin in it).
+_graphs_call_cpp = False
 
 
 @contextlib.contextmanager
 def forward_metadata(metadata: PagedAttentionMetadata) -> Iterator[None]:
     """The step's metadata for a compiled forward, which cannot take it as a keyword:
-    ``paged_attention`` (the custom op) reads it on this thread while the forward runs."""
+    ``paged_attention`` (the custom op) reads it on this thread while the forward runs,
+    and a step of decodes only begins in the C++ op (``decode_attention``)."""
     _forward.metadata = metadata
+    begun = _graphs_call_cpp and _begin_in_cpp(metadata)
     try:
         yield
     finally:
         _forward.metadata = None
+        if begun:
+            end_decode_step()
+
+
+def _begin_in_cpp(meta: PagedAttentionMetadata) -> bool:
+    """Begin ``meta``'s step in the C++ op where ``write_and_attend`` would give each
+    layer's call to the C kernel's one-call step."""
+    kernel = meta.decode_kernel
+    if (meta.kv_cache is None or meta.prefills or len(meta.decode_groups) != 1
+            or not isinstance(kernel, CpuDecodeKernel)
+            or meta.decode_step != kernel.decode_step):
+        return False
+    group = meta.decode_groups[0]
+    if group.start != 0 or group.end != meta.slot_mapping.numel():
+        return False
+    return begin_decode_step(meta.kv_cache.keys, meta.kv_cache.values, meta.slot_mapping,
+                             group.block_tables, group.context_lens, kernel.native_step)
+
+
+def call_attention_from_cpp(graph: torch.fx.Graph) -> int:
+    """In a graph traced by ``torch.compile``, make each ``paged_attention`` call a call
+    of the C++ op ``triollm::decode_attention``, where the C++ ops load; returns how
+    many."""
+    global _graphs_call_cpp
+    calls = [node for node in graph.nodes
+             if node.op == "call_function" and node.target is paged_attention]
+    if not calls or not load_kernel_ops():
+        return 0
+    for node in calls:
+        node.target = decode_attention_op()
+    _graphs_call_cpp = True
+    return len(calls)
 
 
 def in_compiled_forward() -> bool:

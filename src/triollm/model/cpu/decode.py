@@ -35,13 +35,14 @@ or gathering path.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 import torch
 
 from triollm.model.cpu.build import FLAGS, build, load_checked
 from triollm.model.cpu.helpers import PooledFunction
+from triollm.model.cpu.kernel_ops import NativeDecodeStep
 
 __all__ = ["CACHE_KINDS", "CpuDecodeKernel", "load_kernel"]
 
@@ -110,6 +111,11 @@ class CpuDecodeKernel:
         if failed:
             raise MemoryError("the CPU decode kernel could not allocate its scratch space")
         return out
+
+    @cached_property
+    def native_step(self) -> NativeDecodeStep:
+        """``decode_step``'s C functions, for the C++ op (kernel_ops.begin_decode_step)."""
+        return NativeDecodeStep(*self._step.entry_points())
 
     def vectorized(self, head_size: int) -> bool:
         """Whether heads of ``head_size`` take the AVX-512 path (else the portable one)."""

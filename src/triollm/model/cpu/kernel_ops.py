@@ -1,5 +1,6 @@
-"""``triollm::kernel_linear``: a compiled model's linear layers on the C kernels, called
-through a torch op written in C++ (``csrc/kernel_ops.cpp``) rather than Python.
+"""``triollm::kernel_linear`` and ``triollm::decode_attention``: a compiled model's
+quantized linear layers and its decode attention on the C kernels, called through torch
+ops written in C++ (``csrc/kernel_ops.cpp``) rather than Python.
 
 A torch op defined in Python (ops.py) costs the dispatcher, a Python function and a
 ctypes call: about 16 us a call besides the kernel, against about 2 us for an op whose
@@ -22,6 +23,14 @@ runs the product on torch's OpenMP thread count, or on the helper pool where the
 calling thread may use helpers (helpers.py sets that in the pool's library too), or on
 AMX tiles from the layer's ``tiles_from`` rows (never with helpers), and adds the bias
 in bf16 as ``out + bias`` would.
+
+``decode_attention`` takes ``triollm::paged_attention``'s arguments. Where the calling
+thread has begun a step of decodes only (``begin_decode_step``: every layer's KV caches,
+the step's slots, block tables and context lengths, and the decode kernel's one-call step
+as C functions, csrc/decode.c), it runs that step's call for the layer, cache writes
+included; anywhere else (prefill chunks, mixed steps, layouts the kernel does not read)
+it hands the call to ``paged_attention``, the Python op, through the dispatcher. The
+begun step holds its tensors until ``end_decode_step``.
 """
 
 from __future__ import annotations
@@ -45,7 +54,8 @@ from triollm.model.cpu.build import (
     run_compiler,
 )
 
-__all__ = ["NativeProducts", "kernel_linear_op", "load_kernel_ops", "register_linear",
+__all__ = ["NativeDecodeStep", "NativeProducts", "begin_decode_step", "decode_attention_op",
+           "end_decode_step", "kernel_linear_op", "load_kernel_ops", "register_linear",
            "unregister_linear"]
 
 logger = logging.getLogger(__name__)
@@ -90,6 +100,12 @@ def _kernel_linear_fake(x: torch.Tensor, handle: int, out_features: int) -> torc
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def _decode_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           layer: int, scale: float, sliding_window: int | None,
+                           softcap: float | None) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
 @cache
 def load_kernel_ops() -> bool:
     """Whether the C++ ops are loaded (built now unless cached); False, with a warning,
@@ -109,6 +125,7 @@ def _load() -> bool:
         build_failed("C++ kernel ops", "each compiled quantized layer's Python op", error)
         return False
     torch.library.register_fake("triollm::kernel_linear")(_kernel_linear_fake)
+    torch.library.register_fake("triollm::decode_attention")(_decode_attention_fake)
     torch.ops.triollm.set_kernel_pool(_address(pool.triollm_pool_spare_threads))
     return True
 
@@ -156,3 +173,37 @@ def unregister_linear(handle: int) -> None:
 def kernel_linear_op() -> object:
     """The op ``torch.ops.triollm.kernel_linear.default`` (the C++ ops must be loaded)."""
     return torch.ops.triollm.kernel_linear.default
+
+
+class NativeDecodeStep:
+    """The decode kernel's one-call step for ``begin_decode_step``: on OpenMP threads and
+    on the helper pool (ctypes functions; their addresses are what the op calls)."""
+
+    def __init__(self, plain: Any, pooled: Any) -> None:
+        self.plain = _address(plain)
+        self.pooled = _address(pooled)
+
+
+def begin_decode_step(keys: list[torch.Tensor], values: list[torch.Tensor],
+                      slots: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                      step: NativeDecodeStep) -> bool:
+    """Until ``end_decode_step`` on this thread, run ``decode_attention``'s calls on
+    ``step`` over the caches of every layer (``keys``, ``values``) for this step of
+    decodes (``slots``, ``tables`` ``[rows, blocks]``, ``lengths``: contiguous int64);
+    False, with nothing begun, where the C++ ops are not loaded or the kernel does not
+    read these tensors."""
+    if not load_kernel_ops():
+        return False
+    return bool(torch.ops.triollm.begin_decode_step(keys, values, slots, tables, lengths,
+                                                    step.plain, step.pooled))
+
+
+def end_decode_step() -> None:
+    """End this thread's step (letting go of its tensors)."""
+    torch.ops.triollm.end_decode_step()
+
+
+def decode_attention_op() -> object:
+    """The op ``torch.ops.triollm.decode_attention.default`` (the C++ ops must be
+    loaded)."""
+    return torch.ops.triollm.decode_attention.default

@@ -33,8 +33,9 @@ from transformers import PreTrainedModel
 from triollm.config import EngineConfig
 from triollm.model.attention.kernel import DecodeKernel, DecodeStepKernel
 from triollm.model.attention.metadata import KVCacheSpec, PagedAttentionMetadata, PagedKVCache
-from triollm.model.attention.op import in_compiled_forward
+from triollm.model.attention.op import call_attention_from_cpp, in_compiled_forward
 from triollm.model.attention.torch_decode import compiled_paged_decode_attention
+from triollm.model.cpu.kernel_ops import load_kernel_ops
 from triollm.model.cpu.packed_linear import (
     PackedLinear,
     fuse_shared_input_calls,
@@ -159,7 +160,7 @@ def _inductor_with_shared_input_calls_fused(stop: Callable[[], bool]) -> Any:
         graph = graph_module.graph
         changed = fuse_shared_input_calls(graph)
         changed += fuse_quantized_calls(graph)
-        if call_kernels_from_cpp(graph) + changed:
+        if call_kernels_from_cpp(graph) + call_attention_from_cpp(graph) + changed:
             graph_module.recompile()
         return compile_fx(graph_module, example_inputs)
     return backend
@@ -308,7 +309,9 @@ def compile_key(dummy: DummyDecodes, attention: DecodeAttention, dtype: torch.dt
     return artifact_key(dummy.model, dtype,
                         getattr(kernel, "__qualname__", type(kernel).__qualname__),
                         str(attention.step is not None), str(attention.padding_keys),
-                        str(dummy.kv_cache.keys[0].dtype), json.dumps(groups))
+                        str(dummy.kv_cache.keys[0].dtype), json.dumps(groups),
+                        # whether the graph calls the C++ attention op (which loads it)
+                        str(load_kernel_ops()))
 
 
 def _compile_shapes(dummy: DummyDecodes, attention: DecodeAttention,
