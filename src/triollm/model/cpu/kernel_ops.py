@@ -13,8 +13,8 @@ where a ``torch.utils.cpp_extension`` op takes minutes; it is built on first use
 the machine's C++ compiler (``$CXX``, else ``c++``) into the kernel cache (build.py),
 keyed as the C kernels are and by torch's version, and loaded with
 ``torch.ops.load_library``. Where it does not build (no C++ compiler, torch without the
-headers) a warning says so (strict mode: ``KernelBuildError``) and layers keep the
-Python op.
+headers) a warning says so (strict mode: ``KernelBuildError``) and compiled models
+keep the Python ops.
 
 A layer is registered under its handle with its packed tensors, its bias and the
 addresses of the C functions that multiply by them (its kernel library's, which ctypes
@@ -122,7 +122,8 @@ def _load() -> bool:
         torch.ops.load_library(str(_build()))
         pool = load_pool()
     except (OSError, subprocess.SubprocessError) as error:
-        build_failed("C++ kernel ops", "each compiled quantized layer's Python op", error)
+        build_failed("C++ kernel ops", "the Python op of each compiled quantized layer and "
+                     "attention", error)
         return False
     torch.library.register_fake("triollm::kernel_linear")(_kernel_linear_fake)
     torch.library.register_fake("triollm::decode_attention")(_decode_attention_fake)
