@@ -140,8 +140,9 @@ def test_outside_a_step_the_python_op_answers() -> None:
     assert torch.equal(got, expected)
 
 
-def test_a_call_or_a_step_the_kernel_does_not_take_goes_to_the_python_op(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def python_op_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Grows by one at each call the Python op answers (before it raises, not)."""
     calls: list[int] = []
     write_and_attend = attention_op.write_and_attend
 
@@ -150,6 +151,12 @@ def test_a_call_or_a_step_the_kernel_does_not_take_goes_to_the_python_op(
         return write_and_attend(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(attention_op, "write_and_attend", counted)
+    return calls
+
+
+def test_a_call_or_a_step_the_kernel_does_not_take_goes_to_the_python_op(
+        monkeypatch: pytest.MonkeyPatch, python_op_calls: list[int]) -> None:
+    calls = python_op_calls
     monkeypatch.setattr(attention_op, "_graphs_call_cpp", True)
     step = _step([5, 9], 1, 8, torch.float32, 0)
     query, key, value = _inputs(2, 2, 1, 8, torch.float32, False, 0)
@@ -215,15 +222,9 @@ def test_begin_takes_only_layouts_the_kernel_reads() -> None:
 
 
 def test_a_compiled_model_attends_in_cpp_and_decodes_as_with_the_python_op(
-        llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    write_and_attend = attention_op.write_and_attend
-
-    def counted(*args: object) -> torch.Tensor:
-        calls.append(1)
-        return write_and_attend(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(attention_op, "write_and_attend", counted)
+        llama_path: Path, monkeypatch: pytest.MonkeyPatch, python_op_calls: list[int]
+) -> None:
+    calls = python_op_calls
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
     results = {}
     for cpp in (True, False):
