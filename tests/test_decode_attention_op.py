@@ -157,7 +157,6 @@ def python_op_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_call_or_a_step_the_kernel_does_not_take_goes_to_the_python_op(
         monkeypatch: pytest.MonkeyPatch, python_op_calls: list[int]) -> None:
     calls = python_op_calls
-    monkeypatch.setattr(attention_op, "_graphs_call_cpp", True)
     step = _step([5, 9], 1, 8, torch.float32, 0)
     query, key, value = _inputs(2, 2, 1, 8, torch.float32, False, 0)
     with attention_op.forward_metadata(step):
@@ -185,8 +184,7 @@ def test_a_call_or_a_step_the_kernel_does_not_take_goes_to_the_python_op(
             assert not torch.ops.triollm.decode_step_begun()
 
 
-def test_the_step_ends_with_a_forward_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention_op, "_graphs_call_cpp", True)
+def test_the_step_ends_with_a_forward_that_raises() -> None:
     step = _step([5], 1, 8, torch.float32, 0)
     with pytest.raises(ValueError, match="the forward failed"):
         with attention_op.forward_metadata(step):
@@ -225,9 +223,11 @@ def test_a_compiled_model_attends_in_cpp_and_decodes_as_with_the_python_op(
         llama_path: Path, monkeypatch: pytest.MonkeyPatch, python_op_calls: list[int]
 ) -> None:
     calls = python_op_calls
+    """The second engine with the C++ op loads the first's saved compiled graphs (or both
+    load an earlier run's): a loaded graph calls it too."""
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
-    results = {}
-    for cpp in (True, False):
+    results = []
+    for cpp in (True, True, False):
         with monkeypatch.context() as patch:
             if not cpp:
                 patch.setattr(runner_compile, "call_attention_from_cpp", lambda graph: 0)
@@ -236,13 +236,14 @@ def test_a_compiled_model_attends_in_cpp_and_decodes_as_with_the_python_op(
             layers = llm.engine.runner.model.config.num_hidden_layers
             calls.clear()
             completion = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
-            results[cpp] = (completion, len(calls))
+            results.append((completion, len(calls)))
             del llm
             gc.collect()
-    assert results[True][1] == layers, "only the prefill should reach the Python op"
-    assert results[False][1] == 6 * layers
-    assert results[True][0].token_ids == results[False][0].token_ids
-    assert results[True][0].logprobs == results[False][0].logprobs
+    assert [count for _, count in results] == [layers, layers, 6 * layers], (
+        "only the prefill should reach the Python op")
+    for completion, _ in results[:2]:
+        assert completion.token_ids == results[2][0].token_ids
+        assert completion.logprobs == results[2][0].logprobs
 
 
 def test_without_the_cpp_ops_graphs_keep_the_python_op(

@@ -27,6 +27,7 @@ from triollm.model.cpu.kernel_ops import (
     begin_decode_step,
     decode_attention_op,
     end_decode_step,
+    kernel_ops_loaded,
     load_kernel_ops,
 )
 from triollm.model.ops import define_op
@@ -35,8 +36,6 @@ __all__ = ["call_attention_from_cpp", "forward_metadata", "in_compiled_forward",
            "paged_attention"]
 
 _forward = threading.local()
-#: Whether a compiled graph calls the C++ op (else no step need begin in it).
-_graphs_call_cpp = False
 
 
 @contextlib.contextmanager
@@ -45,7 +44,9 @@ def forward_metadata(metadata: PagedAttentionMetadata) -> Iterator[None]:
     ``paged_attention`` (the custom op) reads it on this thread while the forward runs,
     and a step of decodes only begins in the C++ op (``decode_attention``)."""
     _forward.metadata = metadata
-    begun = _graphs_call_cpp and _begin_in_cpp(metadata)
+    # where the C++ ops are loaded, a compiled graph may call them (compiled here, or
+    # loaded from artifacts compiled elsewhere)
+    begun = kernel_ops_loaded() and _begin_in_cpp(metadata)
     try:
         yield
     finally:
@@ -73,14 +74,12 @@ def call_attention_from_cpp(graph: torch.fx.Graph) -> int:
     """In a graph traced by ``torch.compile``, make each ``paged_attention`` call a call
     of the C++ op ``triollm::decode_attention``, where the C++ ops load; returns how
     many."""
-    global _graphs_call_cpp
     calls = [node for node in graph.nodes
              if node.op == "call_function" and node.target is paged_attention]
     if not calls or not load_kernel_ops():
         return 0
     for node in calls:
         node.target = decode_attention_op()
-    _graphs_call_cpp = True
     return len(calls)
 
 

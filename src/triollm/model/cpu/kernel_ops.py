@@ -55,8 +55,8 @@ from triollm.model.cpu.build import (
 )
 
 __all__ = ["NativeDecodeStep", "NativeProducts", "begin_decode_step", "decode_attention_op",
-           "end_decode_step", "kernel_linear_op", "load_kernel_ops", "register_linear",
-           "unregister_linear"]
+           "end_decode_step", "kernel_linear_op", "kernel_ops_loaded", "load_kernel_ops",
+           "register_linear", "unregister_linear"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ _SOURCE = CSRC / "kernel_ops.cpp"
 #: The first torch release whose stable ABI has every op kernel_ops.cpp calls
 #: (``get_num_threads``, ``contiguous``, ``new_empty``).
 _STABLE_OPS_FROM = (2, 10)
+#: Whether ``_load`` has loaded the ops in this process.
+_loaded = False
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-Wall", "-Wextra"]
 
 
@@ -106,6 +108,11 @@ def _decode_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.
     return torch.empty_like(query)
 
 
+def kernel_ops_loaded() -> bool:
+    """Whether the C++ ops are loaded in this process (this never builds them)."""
+    return _loaded
+
+
 @cache
 def load_kernel_ops() -> bool:
     """Whether the C++ ops are loaded (built now unless cached); False, with a warning,
@@ -128,6 +135,8 @@ def _load() -> bool:
     torch.library.register_fake("triollm::kernel_linear")(_kernel_linear_fake)
     torch.library.register_fake("triollm::decode_attention")(_decode_attention_fake)
     torch.ops.triollm.set_kernel_pool(_address(pool.triollm_pool_spare_threads))
+    global _loaded
+    _loaded = True
     return True
 
 
