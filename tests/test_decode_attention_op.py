@@ -184,6 +184,27 @@ def test_a_call_or_a_step_the_kernel_does_not_take_goes_to_the_python_op(
             assert not torch.ops.triollm.decode_step_begun()
 
 
+@pytest.mark.parametrize("mismatch", ["rows", "head dim", "kv heads", "query heads"])
+def test_a_call_whose_shapes_do_not_fit_the_step_goes_to_the_python_op(mismatch: str
+                                                                       ) -> None:
+    step = _step([5, 9], 2, 8, torch.float32, 0)
+    assert step.kv_cache is not None and isinstance(step.decode_kernel,
+                                                    cpu_decode.CpuDecodeKernel)
+    group = step.decode_groups[0]
+    shapes = {"rows": (4, 2, 1, 8), "head dim": (4, 2, 2, 16), "kv heads": (4, 1, 2, 8),
+              "query heads": (3, 2, 2, 8)}[mismatch]
+    q_heads, kv_heads, tokens, dim = shapes
+    query, key, value = _inputs(tokens, q_heads, kv_heads, dim, torch.float32, False, 0)
+    assert kernel_ops.begin_decode_step(step.kv_cache.keys, step.kv_cache.values,
+                                        step.slot_mapping, group.block_tables,
+                                        group.context_lens, step.decode_kernel.native_step)
+    try:  # outside forward_metadata the Python op refuses: the call reached it
+        with pytest.raises(RuntimeError, match="outside forward_metadata"):
+            torch.ops.triollm.decode_attention(query, key, value, 0, 0.3, None, None)
+    finally:
+        kernel_ops.end_decode_step()
+
+
 def test_the_step_ends_with_a_forward_that_raises() -> None:
     step = _step([5], 1, 8, torch.float32, 0)
     with pytest.raises(ValueError, match="the forward failed"):
@@ -222,9 +243,9 @@ def test_begin_takes_only_layouts_the_kernel_reads() -> None:
 def test_a_compiled_model_attends_in_cpp_and_decodes_as_with_the_python_op(
         llama_path: Path, monkeypatch: pytest.MonkeyPatch, python_op_calls: list[int]
 ) -> None:
-    calls = python_op_calls
     """The second engine with the C++ op loads the first's saved compiled graphs (or both
     load an earlier run's): a loaded graph calls it too."""
+    calls = python_op_calls
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
     results = []
     for cpp in (True, True, False):

@@ -44,10 +44,11 @@ def forward_metadata(metadata: PagedAttentionMetadata) -> Iterator[None]:
     ``paged_attention`` (the custom op) reads it on this thread while the forward runs,
     and a step of decodes only begins in the C++ op (``decode_attention``)."""
     _forward.metadata = metadata
-    # where the C++ ops are loaded, a compiled graph may call them (compiled here, or
-    # loaded from artifacts compiled elsewhere)
-    begun = kernel_ops_loaded() and _begin_in_cpp(metadata)
+    begun = False
     try:
+        # where the C++ ops are loaded, a compiled graph may call them (compiled here, or
+        # loaded from artifacts compiled elsewhere)
+        begun = kernel_ops_loaded() and _begin_in_cpp(metadata)
         yield
     finally:
         _forward.metadata = None

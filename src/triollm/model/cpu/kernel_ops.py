@@ -30,7 +30,9 @@ the step's slots, block tables and context lengths, and the decode kernel's one-
 as C functions, csrc/decode.c), it runs that step's call for the layer, cache writes
 included; anywhere else (prefill chunks, mixed steps, layouts the kernel does not read)
 it hands the call to ``paged_attention``, the Python op, through the dispatcher. The
-begun step holds its tensors until ``end_decode_step``.
+begun step holds its tensors until ``end_decode_step``; a thread's next begun step
+replaces it. Errors cross the C++ boundary as ``RuntimeError`` (the kernel's lack of
+scratch memory, and any exception of the Python op it hands a call to).
 """
 
 from __future__ import annotations

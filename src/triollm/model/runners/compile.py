@@ -35,6 +35,7 @@ from triollm.model.attention.kernel import DecodeKernel, DecodeStepKernel
 from triollm.model.attention.metadata import KVCacheSpec, PagedAttentionMetadata, PagedKVCache
 from triollm.model.attention.op import call_attention_from_cpp, in_compiled_forward
 from triollm.model.attention.torch_decode import compiled_paged_decode_attention
+from triollm.model.cpu.decode import CpuDecodeKernel
 from triollm.model.cpu.kernel_ops import load_kernel_ops
 from triollm.model.cpu.packed_linear import (
     PackedLinear,
@@ -51,9 +52,9 @@ from triollm.model.runners.batch import DecodeAttention, decode_groups, run_forw
 from triollm.model.runners.precompiled import PrecompiledDecoder, artifact_key, cache_directory
 from triollm.model.shared_input import recording_calls
 
-__all__ = ["SCRATCH_BLOCKS", "CompilePlan", "CompileStopped", "DummyDecodes", "build_compiled",
-           "choose_decode_attention", "compile_key", "compile_model", "plan_compile",
-           "saves_artifacts"]
+__all__ = ["SCRATCH_BLOCKS", "CompilePlan", "CompileStopped", "DummyDecodes", "attention_in_cpp",
+           "build_compiled", "choose_decode_attention", "compile_key", "compile_model",
+           "plan_compile", "saves_artifacts"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +147,21 @@ class CompileStopped(Exception):
     """The runner closed while its model compiled: the compile gave up between steps."""
 
 
-def _inductor_with_shared_input_calls_fused(stop: Callable[[], bool]) -> Any:
+def attention_in_cpp(attention: DecodeAttention) -> bool:
+    """Whether a compiled model with ``attention`` calls the C++ op
+    ``triollm::decode_attention`` (attention/op.py): where its decode steps run on the C
+    kernel's one-call step and the C++ ops load."""
+    return (isinstance(attention.kernel, CpuDecodeKernel) and attention.step is not None
+            and load_kernel_ops())
+
+
+def _inductor_with_shared_input_calls_fused(stop: Callable[[], bool],
+                                            cpp_attention: bool) -> Any:
     """torch.compile's inductor backend, after fusing the calls of linear layers grouped
     on one input (packed_linear.py, grouping.py) and turning quantized layers' calls
-    into the C++ op's (kernel_calls.py); it gives up (``CompileStopped``) before inductor
-    starts once ``stop()`` is true."""
+    into the C++ op's (kernel_calls.py), and with ``cpp_attention`` the attention's
+    (attention/op.py); it gives up (``CompileStopped``) before inductor starts once
+    ``stop()`` is true."""
     from torch._inductor.compile_fx import compile_fx
 
     def backend(graph_module: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
@@ -160,7 +171,8 @@ def _inductor_with_shared_input_calls_fused(stop: Callable[[], bool]) -> Any:
         graph = graph_module.graph
         changed = fuse_shared_input_calls(graph)
         changed += fuse_quantized_calls(graph)
-        if call_kernels_from_cpp(graph) + call_attention_from_cpp(graph) + changed:
+        changed += call_attention_from_cpp(graph) if cpp_attention else 0
+        if call_kernels_from_cpp(graph) + changed:
             graph_module.recompile()
         return compile_fx(graph_module, example_inputs)
     return backend
@@ -233,7 +245,7 @@ def build_compiled(dummy: DummyDecodes, attention: DecodeAttention, plan: Compil
     dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * len(plan.counts) + 2)
     started = time.perf_counter()
     shapes = [(count, batch) for count in plan.counts for batch in (1, dummy.rows)]
-    backend = _inductor_with_shared_input_calls_fused(stop)
+    backend = _inductor_with_shared_input_calls_fused(stop, attention_in_cpp(attention))
     # the saved (AOT) compile first (quantized layers: AOT, unsaved); where it fails,
     # dynamo's, which traces every start and checks its guards at every call
     precompiled: PrecompiledDecoder | None = None
@@ -311,7 +323,7 @@ def compile_key(dummy: DummyDecodes, attention: DecodeAttention, dtype: torch.dt
                         str(attention.step is not None), str(attention.padding_keys),
                         str(dummy.kv_cache.keys[0].dtype), json.dumps(groups),
                         # whether the graph calls the C++ attention op (which loads it)
-                        str(load_kernel_ops()))
+                        str(attention_in_cpp(attention)))
 
 
 def _compile_shapes(dummy: DummyDecodes, attention: DecodeAttention,
