@@ -46,6 +46,11 @@ def engine_for(path: Path) -> AsyncLLMEngine:
         optimization_level=2, cpu_threads=1))
 
 
+#: How long a test waits for the compile to reach its gate (a compile that fails first
+#: never does: the test fails rather than hangs).
+ENTER_SECONDS = 120
+
+
 class GatedCompile:
     """Holds the compile inside dynamo's compile session (where torch reports
     ``is_compiling()`` on every thread), at the backend of its first graph, until
@@ -56,8 +61,8 @@ class GatedCompile:
         self.entered = threading.Event()
         real = runner_compile._inductor_with_shared_input_calls_fused
 
-        def gated(stop: Callable[[], bool]) -> Any:
-            backend = real(stop)
+        def gated(stop: Callable[[], bool], *args: Any) -> Any:
+            backend = real(stop, *args)
 
             def wait_then_compile(*args: Any) -> Any:
                 self.entered.set()
@@ -160,7 +165,8 @@ async def test_a_compile_process_builds_what_the_server_loads_and_switches_to_id
     gate = GatedProcess(monkeypatch, shared_cache)
     with caplog.at_level(logging.INFO, logger="triollm.model.runners"):
         async with engine_for(llama_path) as engine:
-            await anyio.to_thread.run_sync(gate.entered.wait)
+            assert await anyio.to_thread.run_sync(gate.entered.wait, ENTER_SECONDS), (
+                "the compile never reached the gate")
             during = await greedy_tokens(engine, "during")
             stats = engine.statistics()
             assert stats.compiling and not stats.compiled_forward
@@ -194,7 +200,8 @@ async def test_closing_the_engine_mid_compile_stops_and_joins_the_compile_thread
     gate = GatedCompile(monkeypatch)
     with caplog.at_level(logging.INFO, logger="triollm.model.runners"):
         async with engine_for(llama_path) as engine:
-            await anyio.to_thread.run_sync(gate.entered.wait)
+            assert await anyio.to_thread.run_sync(gate.entered.wait, ENTER_SECONDS), (
+                "the compile never reached the gate")
             assert len(compile_threads()) == 1
             runner = engine._core.runner if engine._core is not None else None
     assert len(compile_threads()) == 0

@@ -4,8 +4,9 @@
 compiled model calls this op with the layer's index in the KV cache; the op finds the
 metadata in ``forward_metadata``, set on the model thread for the length of the forward.
 
-Where the C++ ops load (cpu/kernel_ops.py), a compiled graph calls
-``triollm::decode_attention`` instead (``call_attention_from_cpp``), and
+Where the decode steps run on the C kernel's one-call step and the C++ ops load
+(cpu/kernel_ops.py), a compiled graph calls ``triollm::decode_attention`` instead
+(``call_attention_from_cpp``, run by the compile backend), and
 ``forward_metadata`` begins a step of decodes only in it whenever the step is one the C
 decode kernel takes in one call per layer (the same steps ``write_and_attend`` gives
 it): each layer's call then costs the kernel and the dispatcher, not a Python function
