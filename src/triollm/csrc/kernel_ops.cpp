@@ -57,6 +57,12 @@ std::unordered_map<int64_t, std::shared_ptr<const Layer>> registry;
 /* The helper pool's triollm_pool_spare_threads: the pool helpers the calling thread's
    kernels may use (0: OpenMP), as helpers.py's set_spare_threads said on that thread. */
 std::atomic<int (*)(void)> spare_threads{nullptr};
+
+/* The pool helpers the calling thread's kernels may use (0: OpenMP). */
+int pool_helpers() {
+    int (*spare)(void) = spare_threads.load(std::memory_order_relaxed);
+    return spare != nullptr ? spare() : 0;
+}
 /* This thread's AMX panels (cache-line aligned, as the tiles' rows are read), kept for
    its next call. */
 struct Panels {
@@ -123,8 +129,7 @@ Tensor kernel_linear(Tensor x, int64_t handle, int64_t out_features) {
     const void* w = layer->weight.data_ptr();
     const void* s = layer->scales.data_ptr();
     const int threads = (int)torch::stable::get_num_threads();
-    int (*spare)(void) = spare_threads.load(std::memory_order_relaxed);
-    const int helpers = spare != nullptr ? spare() : 0;
+    const int helpers = pool_helpers();
     int done = 1;
     if (helpers) {
         done = layer->pooled(in, w, s, y, rows, out_features, k, layer->group_size, helpers);
@@ -312,8 +317,7 @@ Tensor decode_attention(Tensor q, Tensor k, Tensor v, int64_t layer, double scal
     const Tensor& keys = step->keys[layer];
     const Tensor& values = step->values[layer];
     Tensor out = torch::stable::empty_like(q);  /* q's strides: its last dim contiguous */
-    int (*spare)(void) = spare_threads.load(std::memory_order_relaxed);
-    const int helpers = spare != nullptr ? spare() : 0;
+    const int helpers = pool_helpers();
     const int bf16 = q.scalar_type() == torch::headeronly::ScalarType::BFloat16;
     const int failed = (helpers ? step->pooled : step->plain)(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),

@@ -82,10 +82,10 @@ def write_and_attend(
     """Write the step's keys and values into one layer's cache and attend: ``[H, T, D]``
     in, ``[Hq, T, D]`` out in the query's dtype."""
     assert meta.kv_cache is not None
-    if meta.decode_step is not None and not meta.prefills and len(meta.decode_groups) == 1:
+    group = meta.one_call_group()
+    if group is not None and meta.decode_step is not None:
         # A step of decodes only: the cache writes and the attention in one call (the
         # C kernel's; it returns None for inputs it does not take).
-        group = meta.decode_groups[0]
         out = meta.decode_step(q, k, v, meta.slot_mapping, key_cache, value_cache,
                                group.block_tables, group.context_lens, scale,
                                sliding_window, softcap)

@@ -158,6 +158,13 @@ class PagedAttentionMetadata:
     decode_step: DecodeStep | None = None
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
+    def one_call_group(self) -> DecodeGroup | None:
+        """The step's decode group where ``decode_step`` takes the step (decodes only, in
+        one group), else None."""
+        if self.decode_step is None or self.prefills or len(self.decode_groups) != 1:
+            return None
+        return self.decode_groups[0]
+
     def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
         """``None`` means plain causal attention over exactly the chunk's own tokens."""
         key = (index, sliding_window)

@@ -61,12 +61,10 @@ def _begin_in_cpp(meta: PagedAttentionMetadata) -> bool:
     """Begin ``meta``'s step in the C++ op where ``write_and_attend`` would give each
     layer's call to the C kernel's one-call step."""
     kernel = meta.decode_kernel
-    if (meta.kv_cache is None or meta.prefills or len(meta.decode_groups) != 1
-            or not isinstance(kernel, CpuDecodeKernel)
-            or meta.decode_step != kernel.decode_step):
-        return False
-    group = meta.decode_groups[0]
-    if group.start != 0 or group.end != meta.slot_mapping.numel():
+    group = meta.one_call_group()
+    if (group is None or meta.kv_cache is None or not isinstance(kernel, CpuDecodeKernel)
+            or meta.decode_step != kernel.decode_step
+            or group.start != 0 or group.end != meta.slot_mapping.numel()):
         return False
     return begin_decode_step(meta.kv_cache.keys, meta.kv_cache.values, meta.slot_mapping,
                              group.block_tables, group.context_lens, kernel.native_step)
